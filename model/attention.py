@@ -1,0 +1,293 @@
+"""Multi-head latent attention (MLA) with DeepSeek Sparse Attention (DSA) and IndexShare.
+
+Per token MLA caches one row of `kv_lora_rank + qk_rope_head_dim` numbers: the normalised latent c_kv
+and the rotated rotary key k_pe. Two attention paths read that one cache and give the same numbers:
+
+* expanded (train / prefill): kv_b_proj expands c_kv into per-head k_nope and v; scaled dot-product
+  attention over [k_nope | k_pe] with a boolean mask of the allowed (causal ∩ selected) keys, computed
+  in query chunks so long prefills stay within memory;
+* absorbed (decode): q̃_h = q_nope,h · W_UK,h lives in latent space, so all heads attend one shared
+  key row [c_kv | k_pe] (a single-head attention over H·T query rows), the output latent P·c_kv is
+  mapped by W_UV,h and o_proj. With a DSA selection the selected latent rows are gathered first, so a
+  decode step touches top-k rows, not the whole context.
+
+The lightning indexer scores past token s for query t as I(t,s) = Σ_j w_j·ReLU(q_j·k_s)/√d_I with
+w = weights_proj(x)/√H_I; the top-k (k = min(index_topk, #keys)) is deterministic, ties going to the
+earlier position. A layer whose indexer type is "shared" owns no indexer and attends with its group
+leader's indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rope
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+
+# Budget (elements) for one chunk of [heads, queries, keys] scores in the expanded / indexer paths.
+CHUNK_ELEMS = 1 << 25
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the k largest entries along the last dim, ascending by position.
+
+    Deterministic: among entries equal to the k-th largest value the earliest positions win, so the
+    selected *set* never depends on kernel scheduling (torch.topk gives no such guarantee on ties).
+    """
+    thr = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > thr
+    tie = scores == thr
+    need = k - above.sum(-1, keepdim=True)
+    sel = above | (tie & (tie.cumsum(-1) <= need))
+    return sel.nonzero()[:, -1].view(*scores.shape[:-1], k)
+
+
+@dataclass
+class AttnContext:
+    """Everything a layer needs that is shared by all layers of one forward."""
+
+    cos: torch.Tensor  # [B, T, rope/2]
+    sin: torch.Tensor
+    qpos: torch.Tensor  # [B, T] absolute positions of the queries
+    cache: KVCache | None = None
+    slots: torch.Tensor | None = None  # [B] cache slots
+    slot_range: tuple[int, int] | None = None  # contiguous slots → views instead of copies
+    write_mask: torch.Tensor | None = None  # [B, T] which new tokens are real (not right padding)
+    n_keys: int = 0  # keys visible after this step's writes (max over the batch)
+    dense: bool = False  # ignore DSA selection (indexer warm-up / dense baseline)
+    impl: str = "auto"  # "expanded" | "absorbed" | "auto"
+    collect: list | None = None  # indexer-loss statistics, one entry per indexer group
+    detach_indexer_input: bool = False
+    indexer_calls: list = field(default_factory=list)  # layer ids whose indexer ran (for tests/metrics)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        q_in = cfg.q_lora_rank or cfg.hidden_size
+        self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.qk_rope_head_dim
+        rot = apply_rope(x[..., :r], cos, sin, self.cfg.rope_interleave_indexer)
+        return torch.cat([rot, x[..., r:]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, T, d_I]
+
+    def queries(self, x, q_in, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self._rope(self.wq_b(q_in).view(b, t, self.n_heads, self.head_dim), cos.unsqueeze(2), sin.unsqueeze(2))
+        w = F.linear(x.float(), self.weights_proj.weight.float())
+        w = w * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return q.float(), w  # [B,T,HI,dI], [B,T,HI]
+
+    @staticmethod
+    def scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q [B,T,HI,d], w [B,T,HI], k [B,S,d] → I [B,T,S] (fp32)."""
+        b, t, h, d = q.shape
+        logits = torch.matmul(q.reshape(b, t * h, d), k.float().transpose(1, 2)).relu_()
+        return torch.matmul(w.unsqueeze(-2), logits.view(b, t, h, -1)).squeeze(-2)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, indexer_type: str):
+        super().__init__()
+        self.cfg, self.layer_idx, self.indexer_type = cfg, layer_idx, indexer_type
+        h, H = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads = H
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if indexer_type == "full" else None
+        self.scale = cfg.softmax_scale()
+
+    # ---------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: AttnContext, shared_sel: torch.Tensor | None = None):
+        """x [B,T,hidden] (normed) → (out [B,T,hidden], selection [B,T,k] or None)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        H, nope, rope, r = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lat)
+        else:
+            q_lat = x
+            q = self.q_proj(x)
+        q = q.view(b, t, H, nope + rope)
+        q_nope = q[..., :nope]
+        q_pe = apply_rope(q[..., nope:], ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2), True)
+        kv = self.kv_a_proj_with_mqa(x)
+        new_kv = torch.cat([self.kv_a_layernorm(kv[..., :r]), apply_rope(kv[..., r:], ctx.cos, ctx.sin, True)], -1)
+        keys = self._keys(ctx, "kv", new_kv)  # [B, S, r + rope]
+        n_keys = keys.shape[1]
+
+        # ---- DSA selection ----
+        sel = None
+        sparse = cfg.use_dsa and not ctx.dense
+        needs_sel = sparse and n_keys > cfg.index_topk
+        if self.indexer is not None and (needs_sel or ctx.collect is not None or ctx.cache is not None):
+            # with a cache the indexer keys are always written, so later (longer) steps find them
+            sel = self._index(x, q_lat, keys_len=n_keys, ctx=ctx, sparse=sparse)
+        elif self.indexer_type == "shared" and needs_sel:
+            if shared_sel is None:
+                raise RuntimeError(f"layer {self.layer_idx}: shared indexer layer has no leader selection")
+            sel = shared_sel
+        if not sparse:
+            sel = None
+
+        if ctx.collect is not None and self.indexer_type != "none":
+            self._collect_attention(q_nope, q_pe, keys, ctx, sel)
+
+        impl = ctx.impl
+        if impl == "auto":
+            impl = "absorbed" if (ctx.cache is not None and t <= 8) else "expanded"
+        if impl == "absorbed":
+            out = self._absorbed(q_nope, q_pe, keys, ctx, sel)
+        else:
+            out = self._expanded(q_nope, q_pe, keys, ctx, sel)
+        return self.o_proj(out.reshape(b, t, H * cfg.v_head_dim)), sel
+
+    # ---- cache plumbing ----
+    def _keys(self, ctx: AttnContext, kind: str, new: torch.Tensor) -> torch.Tensor:
+        if ctx.cache is None:
+            return new
+        store = ctx.cache.tensor(kind, self.layer_idx)
+        m = ctx.write_mask
+        bidx = ctx.slots[:, None].expand_as(ctx.qpos)
+        store[bidx[m], ctx.qpos[m]] = new[m].to(store.dtype)
+        if ctx.slot_range is not None:
+            s0, s1 = ctx.slot_range
+            return store[s0:s1, : ctx.n_keys]
+        return store[ctx.slots, : ctx.n_keys]
+
+    def _allowed(self, ctx: AttnContext, t0: int, t1: int, n_keys: int) -> torch.Tensor:
+        kpos = torch.arange(n_keys, device=ctx.qpos.device)
+        return kpos <= ctx.qpos[:, t0:t1, None]  # [B, C, S]
+
+    def _index(self, x, q_lat, keys_len: int, ctx: AttnContext, sparse: bool):
+        ix = self.indexer
+        collect = ctx.collect is not None
+        if collect and ctx.detach_indexer_input:
+            x, q_lat = x.detach(), q_lat.detach()
+        with torch.set_grad_enabled(collect and torch.is_grad_enabled()):
+            k_new = ix.keys(x, ctx.cos, ctx.sin)
+            k_all = self._keys(ctx, "index", k_new)
+            q, w = ix.queries(x, q_lat, ctx.cos, ctx.sin)
+            t = x.shape[1]
+            if collect:  # training statistic: full score matrix, kept with its graph
+                s = Indexer.scores(q, w, k_all)
+                s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
+                ctx.indexer_calls.append(self.layer_idx)
+                ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
+                if not (sparse and keys_len > self.cfg.index_topk):
+                    return None
+                sel = stable_topk(s.detach(), self.cfg.index_topk)
+                ctx.collect[-1]["sel"] = sel
+                return sel
+            if not (sparse and keys_len > self.cfg.index_topk):
+                return None
+            ctx.indexer_calls.append(self.layer_idx)
+            k = min(self.cfg.index_topk, keys_len)
+            step = max(1, CHUNK_ELEMS // max(1, ix.n_heads * keys_len * x.shape[0]))
+            out = []
+            for t0 in range(0, t, step):
+                s = Indexer.scores(q[:, t0 : t0 + step], w[:, t0 : t0 + step], k_all)
+                s.masked_fill_(~self._allowed(ctx, t0, t0 + s.shape[1], keys_len), float("-inf"))
+                out.append(stable_topk(s, k))
+            return torch.cat(out, 1)
+
+    # ---- attention paths ----
+    def _mask(self, ctx: AttnContext, t0: int, t1: int, n_keys: int, sel: torch.Tensor | None) -> torch.Tensor:
+        allowed = self._allowed(ctx, t0, t1, n_keys)
+        if sel is None:
+            return allowed
+        chosen = torch.zeros_like(allowed).scatter_(-1, sel[:, t0:t1], True)
+        return allowed & chosen
+
+    def _expanded(self, q_nope, q_pe, keys, ctx: AttnContext, sel):
+        cfg = self.cfg
+        b, t, H, _ = q_nope.shape
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        s = keys.shape[1]
+        kv = self.kv_b_proj(keys[..., :r]).view(b, s, H, nope + cfg.v_head_dim)
+        k = torch.cat([kv[..., :nope], keys[..., None, r:].expand(b, s, H, cfg.qk_rope_head_dim)], -1)
+        k, v = k.transpose(1, 2), kv[..., nope:].transpose(1, 2)
+        q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)  # [B,H,T,D]
+        if ctx.cache is None and sel is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return o.transpose(1, 2)
+        step = max(1, CHUNK_ELEMS // max(1, H * s * b))
+        outs = []
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            m = self._mask(ctx, t0, t1, s, sel).unsqueeze(1)
+            outs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k, v, attn_mask=m, scale=self.scale))
+        return torch.cat(outs, 2).transpose(1, 2)
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [H,nope,r], W_UV [H,v,r]
+
+    def _absorbed(self, q_nope, q_pe, keys, ctx: AttnContext, sel):
+        cfg = self.cfg
+        b, t, H, _ = q_nope.shape
+        r = cfg.kv_lora_rank
+        w_uk, w_uv = self._absorb_weights()
+        q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)  # [B,T,H,r+rope]
+        if sel is None:
+            s = keys.shape[1]
+            m = self._allowed(ctx, 0, t, s)  # [B,T,S]
+            m = m[:, :, None, :].expand(b, t, H, s).reshape(b, 1, t * H, s)
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, 1, t * H, -1), keys[:, None], keys[:, None, :, :r], attn_mask=m, scale=self.scale
+            ).view(b, t, H, r)
+        else:
+            kk = sel.shape[-1]
+            g = keys[torch.arange(b, device=keys.device)[:, None, None], sel]  # [B,T,k,r+rope]
+            valid = sel <= ctx.qpos[..., None]  # [B,T,k]
+            o = F.scaled_dot_product_attention(
+                q.reshape(b * t, 1, H, -1),
+                g.reshape(b * t, 1, kk, -1),
+                g[..., :r].reshape(b * t, 1, kk, r),
+                attn_mask=valid.reshape(b * t, 1, 1, kk),
+                scale=self.scale,
+            ).view(b, t, H, r)
+        return torch.einsum("bthr,hvr->bthv", o, w_uv)
+
+    # ---- indexer-loss statistics ----
+    @torch.no_grad()
+    def _collect_attention(self, q_nope, q_pe, keys, ctx: AttnContext, sel):
+        """Head-summed main-attention distribution of this layer, added to its indexer group's target."""
+        cfg = self.cfg
+        b, t, H, _ = q_nope.shape
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        s = keys.shape[1]
+        kv = self.kv_b_proj(keys[..., :r]).view(b, s, H, nope + cfg.v_head_dim)
+        k = torch.cat([kv[..., :nope], keys[..., None, r:].expand(b, s, H, cfg.qk_rope_head_dim)], -1)
+        logits = torch.einsum("bthd,bshd->bhts", torch.cat([q_nope, q_pe], -1), k).float() * self.scale
+        m = self._mask(ctx, 0, t, s, sel)
+        p = logits.masked_fill(~m[:, None], float("-inf")).softmax(-1).sum(1)  # [B,T,S]
+        entry = ctx.collect[-1]
+        entry["target"] = p if entry["target"] is None else entry["target"] + p

@@ -1,0 +1,282 @@
+"""`ModelConfig`: one pydantic model for the GLM-5 / DeepSeek-V3.2 family.
+
+Field names follow the HF `config.json` of `glm_moe_dsa` / `deepseek_v32` where one exists, so a config
+converts to and from a checkpoint's `config.json` without a rename table (`from_hf_dict` / `to_hf_dict`).
+Extra temper knobs (`use_dsa`, `indexer_rope_interleave`, `mtp_draft_steps`, ...) carry defaults that
+reproduce the published models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ModelType = Literal["glm_moe_dsa", "deepseek_v32"]
+IndexerType = Literal["full", "shared"]
+
+
+class YarnConfig(BaseModel):
+    """YaRN context extension of the rotary embedding (DeepSeek style)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factor: float = Field(gt=1.0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def shared_indexer_pattern(num_layers: int, freq: int, offset: int) -> list[str]:
+    """IndexShare layout. Layer i (0-based) runs its own indexer iff max(i - offset + 1, 0) % freq == 0,
+    which is Megatron's rule `(max(layer - max(offset, 1), 0) mod freq) == 0` with 1-based layer numbers."""
+    freq = max(freq, 1)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model_type: ModelType = "glm_moe_dsa"
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    # dense layers
+    first_k_dense_replace: int = Field(default=1, ge=0)
+    intermediate_size: int = Field(gt=0)
+    # MLA
+    num_attention_heads: int = Field(gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    attention_bias: bool = False
+    # rotary
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: YarnConfig | None = None
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    # MoE
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(default=1, ge=0)
+    num_experts_per_tok: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    n_group: int = Field(default=1, gt=0)
+    topk_group: int = Field(default=1, gt=0)
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    scoring_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    norm_topk_prob: bool = True
+    # DSA lightning indexer
+    use_dsa: bool = True
+    index_n_heads: int = Field(default=4, gt=0)
+    index_head_dim: int = Field(default=32, gt=0)
+    index_topk: int = Field(default=64, gt=0)
+    indexer_rope_interleave: bool | None = None  # None: by model_type (GLM-5 interleaved, V3.2 half-split)
+    indexer_types: list[IndexerType] | None = None
+    index_share_freq: int = Field(default=1, gt=0)
+    index_share_offset: int = Field(default=1, ge=0)
+    # MTP
+    num_nextn_predict_layers: int = Field(default=1, ge=0)
+    mtp_draft_steps: int = Field(default=1, ge=1)
+    # misc
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    initializer_range: float = Field(default=0.02, gt=0)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        def bad(field: str, why: str):
+            raise ValueError(f"{field}: {why}")
+
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            bad("first_k_dense_replace", f"{self.first_k_dense_replace} > num_hidden_layers")
+        if self.qk_rope_head_dim % 2:
+            bad("qk_rope_head_dim", "must be even (rotary pairs)")
+        if self.n_routed_experts % self.n_group:
+            bad("n_group", f"{self.n_group} does not divide n_routed_experts={self.n_routed_experts}")
+        if self.topk_group > self.n_group:
+            bad("topk_group", f"{self.topk_group} > n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            bad("n_group", "group-limited routing scores a group by its top-2 experts: need >= 2 per group")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            bad("num_experts_per_tok", f"{self.num_experts_per_tok} > experts reachable in topk_group groups")
+        if self.use_dsa:
+            if self.index_head_dim < self.qk_rope_head_dim:
+                bad("index_head_dim", f"must be >= qk_rope_head_dim={self.qk_rope_head_dim}")
+            if self.indexer_types is not None:
+                if len(self.indexer_types) != self.num_hidden_layers:
+                    bad("indexer_types", f"has {len(self.indexer_types)} entries, need {self.num_hidden_layers}")
+                if self.indexer_types[0] != "full":
+                    bad("indexer_types", "layer 0 must be 'full' (a shared layer needs a leader before it)")
+        if self.rope_scaling is not None and self.rope_scaling.original_max_position_embeddings <= 0:
+            bad("rope_scaling.original_max_position_embeddings", "must be > 0")
+        return self
+
+    # ---- derived -------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rope_interleave_indexer(self) -> bool:
+        if self.indexer_rope_interleave is not None:
+            return self.indexer_rope_interleave
+        return self.model_type == "glm_moe_dsa"
+
+    def layer_indexer_types(self) -> list[str]:
+        """Per-layer "full" (runs an indexer) / "shared" (reuses its group leader's top-k)."""
+        if not self.use_dsa:
+            return ["none"] * self.num_hidden_layers
+        if self.indexer_types is not None:
+            return list(self.indexer_types)
+        return shared_indexer_pattern(self.num_hidden_layers, self.index_share_freq, self.index_share_offset)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        y = self.rope_scaling
+        if y is not None and y.mscale_all_dim:
+            m = yarn_mscale(y.factor, y.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    # ---- HF config.json ---------------------------------------------------------------------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        arch = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(rope_type="yarn", **self.rope_scaling.model_dump())
+        n_dense = self.first_k_dense_replace
+        d: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "n_shared_experts": self.n_shared_experts,
+            "n_routed_experts": self.n_routed_experts,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "head_dim": self.qk_rope_head_dim,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "norm_topk_prob": self.norm_topk_prob,
+            "scoring_func": self.scoring_func,
+            "topk_method": "noaux_tc",
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": rope,
+            "attention_bias": self.attention_bias,
+            "first_k_dense_replace": n_dense,
+            "mlp_layer_types": ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense),
+            "index_topk": self.index_topk,
+            "index_head_dim": self.index_head_dim,
+            "index_n_heads": self.index_n_heads,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.dtype,
+            "temper": {
+                "use_dsa": self.use_dsa,
+                "indexer_rope_interleave": self.indexer_rope_interleave,
+                "mtp_draft_steps": self.mtp_draft_steps,
+            },
+        }
+        if self.model_type == "glm_moe_dsa":
+            d["indexer_types"] = self.layer_indexer_types() if self.use_dsa else None
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        mt = d.get("model_type")
+        if mt not in ("glm_moe_dsa", "deepseek_v32"):
+            raise ValueError(f"model_type: {mt!r} is not supported (expected 'glm_moe_dsa' or 'deepseek_v32')")
+        q_lora = d.get("q_lora_rank")
+        rope = d.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type") == "yarn" else None)
+        yarn = None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            yarn = YarnConfig(
+                factor=scaling["factor"],
+                original_max_position_embeddings=scaling["original_max_position_embeddings"],
+                beta_fast=scaling.get("beta_fast") or 32.0,
+                beta_slow=scaling.get("beta_slow") or 1.0,
+                mscale=scaling.get("mscale") or 1.0,
+                mscale_all_dim=scaling.get("mscale_all_dim") or 0.0,
+            )
+        t = d.get("temper") or {}
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+        indexer_types = d.get("indexer_types") if mt == "glm_moe_dsa" else None
+        return cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            first_k_dense_replace=d.get("first_k_dense_replace", 0),
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=d["num_attention_heads"],
+            q_lora_rank=q_lora,
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            attention_bias=d.get("attention_bias", False),
+            rope_theta=theta,
+            rope_scaling=yarn,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            n_routed_experts=d["n_routed_experts"],
+            n_shared_experts=d.get("n_shared_experts", 1) or 0,
+            num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d["moe_intermediate_size"],
+            n_group=d.get("n_group", 1) or 1,
+            topk_group=d.get("topk_group", 1) or 1,
+            routed_scaling_factor=d.get("routed_scaling_factor", 1.0),
+            scoring_func=d.get("scoring_func", "sigmoid"),
+            norm_topk_prob=d.get("norm_topk_prob", True),
+            use_dsa=t.get("use_dsa", True),
+            index_n_heads=d.get("index_n_heads", 64),
+            index_head_dim=d.get("index_head_dim", 128),
+            index_topk=d.get("index_topk", 2048),
+            indexer_rope_interleave=t.get("indexer_rope_interleave"),
+            indexer_types=indexer_types,
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
+            mtp_draft_steps=t.get("mtp_draft_steps", 1),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            initializer_range=d.get("initializer_range", 0.02),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+            dtype="bfloat16" if str(dtype) in ("bfloat16", "torch.bfloat16") else "float32",
+        )

@@ -1,0 +1,201 @@
+"""Building blocks: RMSNorm, rotary embedding (plain or YaRN), dense SwiGLU FFN, and the MoE layer.
+
+MoE (DeepSeek-V3 / GLM-5 gate):
+  s = sigmoid(x·Wᵀ) (fp32)                      scores, unbiased
+  choice = s + e_score_correction_bias          selection only
+  [group-limited] group score = sum of its top-2 choice scores; keep the best `topk_group` groups
+  experts = top-k(choice); weights = s[experts] / Σ s[experts] × routed_scaling_factor
+  y = Σ_i w_i · E_i(x) + shared(x)
+Dispatch sorts the (token, expert) pairs by expert and runs each expert once over its contiguous
+slice (a loop over experts, never over tokens), then scatters back with `index_add_`.
+Aux-loss-free balancing: training forwards count tokens per expert; `update_bias(rate)` moves the
+bias of overloaded experts down and of underloaded experts up by `rate`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+# ---- rotary ------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the rotary dims and the cos/sin scale (YaRN's attention factor)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv = 1.0 / pos_freqs
+    y = cfg.rope_scaling
+    if y is None:
+        return inv.float(), 1.0
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(y.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp  # 1 → keep the original (extrapolated) frequency
+    inv = (1.0 / (y.factor * pos_freqs)) * (1 - extra) + inv * extra
+
+    def m(scale: float, ms: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+
+    if y.mscale and y.mscale_all_dim:
+        att = m(y.factor, y.mscale) / m(y.factor, y.mscale_all_dim)
+    else:
+        att = m(y.factor, 1.0)
+    return inv.float(), float(att)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables of shape [..., rope_dim/2] for arbitrary position ids."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv, self.att_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        f = positions.float()[..., None] * self.inv_freq
+        return (f.cos() * self.att_scale).to(dtype), (f.sin() * self.att_scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate `x[..., d]` by per-position angles. `cos`/`sin` broadcast to `x[..., d/2]`.
+
+    interleave=True pairs (x0,x1),(x2,x3)…; False pairs (x_i, x_{i+d/2}). Either way the output is laid
+    out half-split ([rotated evens | rotated odds] for interleaved input), applied identically to queries
+    and keys, so dot products equal those of the textbook layout.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---- FFNs --------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] → (expert ids [N, k], weights [N, k] in x's dtype)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            g = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_scores = g.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~gmask.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
+        idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, (w * cfg.routed_scaling_factor).to(x.dtype)
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up_proj, self.down_proj]
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        xs = x.index_select(0, token_of)
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            seg = xs[start : start + c]
+            g, u = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g) * u, self.down_proj[e]))
+            start += c
+        ys = torch.cat(outs, 0) * w.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.gate(flat)
+        if self.training:
+            with torch.no_grad():
+                self.expert_load += torch.bincount(idx.reshape(-1), minlength=self.cfg.n_routed_experts).float()
+        y = self.experts(flat, idx, w).view(shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    @torch.no_grad()
+    def update_bias(self, rate: float = 1e-3) -> torch.Tensor:
+        """Aux-loss-free balancing step; returns the load it acted on and resets the counter."""
+        load = self.expert_load.clone()
+        if load.sum() > 0:
+            self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+        return load

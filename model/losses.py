@@ -1,0 +1,82 @@
+"""Losses: masked next-token cross-entropy, the MTP loss, the DSA indexer KL loss.
+
+Masks mark *target* tokens: mask[b, t] says whether token t of row b is trained on (for agent turns:
+the policy's own tokens, not prompts or observations).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .transformer import Transformer
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits [B,T,V] against targets [B,T] over positions where mask is true."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    if mask is None:
+        return ce.mean()
+    m = mask.to(ce.dtype)
+    return (ce * m).sum() / m.sum().clamp_min(1.0)
+
+
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None):
+    """Shifted LM loss: logits at t predict input_ids[t+1]; mask is over input_ids."""
+    return lm_loss(logits[:, :-1], input_ids[:, 1:], None if mask is None else mask[:, 1:])
+
+
+def mtp_loss(
+    model: Transformer,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    steps: int | None = None,
+) -> torch.Tensor:
+    """Mean over draft steps s = 0..steps-1 of the CE of predicting token i+2+s at position i.
+
+    Step s combines its own previous hidden state (step 0: the main model's pre-norm `hidden`) with the
+    embedding of token i+1+s, exactly as speculative decoding chains the drafts."""
+    steps = steps or model.config.mtp_draft_steps
+    t = input_ids.shape[1]
+    h = hidden[:, : t - 1]
+    losses = []
+    for s in range(steps):
+        n = t - 1 - s
+        if n < 2:
+            break
+        logits, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s)
+        tgt = input_ids[:, 2 + s :]
+        losses.append(lm_loss(logits[:, : n - 1], tgt, None if mask is None else mask[:, 2 + s :]))
+    if not losses:
+        raise ValueError("sequence too short for the MTP loss (need at least 3 tokens)")
+    return torch.stack(losses).mean()
+
+
+def indexer_kl_loss(stats: list[dict]) -> torch.Tensor:
+    """KL(p_t ‖ softmax(I_t)) averaged over queries and indexer groups.
+
+    `stats` comes from `model.run(..., collect_indexer=True)`: per indexer group, the indexer logits
+    (with their graph) and the head-summed main attention of every layer of the group. With a selection
+    recorded (sparse mode) both distributions are restricted to the selected tokens; otherwise (dense
+    warm-up, or no more keys than top-k) they cover every causal token. The target is L1-normalised.
+    """
+    if not stats:
+        raise ValueError("no indexer statistics: run the model with collect_indexer=True on a DSA config")
+    total = []
+    for st in stats:
+        logits, target, sel = st["index_logits"], st["target"], st["sel"]
+        if sel is not None:
+            keep = torch.zeros_like(target, dtype=torch.bool).scatter_(-1, sel, True)
+            logits = logits.masked_fill(~keep, float("-inf"))
+            target = target.masked_fill(~keep, 0.0)
+        p = target / target.sum(-1, keepdim=True).clamp_min(1e-12)
+        logq = logits.log_softmax(-1)
+        kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
+        total.append(kl.mean())
+    return torch.stack(total).mean()
+
+
+def indexer_parameters(model: Transformer) -> list[torch.nn.Parameter]:
+    """Parameters of every lightning indexer (what the dense warm-up trains)."""
+    return [p for n, p in model.named_parameters() if ".indexer." in n]
