@@ -221,11 +221,14 @@ class Transformer(nn.Module):
             m.update_bias(rate)
 
     def num_parameters(self, active: bool = False, mtp: bool = True) -> int:
-        """Total parameters, or those touched per token (top-k + shared experts; embeddings counted)."""
+        """Total parameters, or those a token activates: top-k routed + shared experts, without the
+        input embedding (a table lookup, not compute: the convention of the published active counts)."""
         cfg = self.config
         total = 0
         for name, p in self.named_parameters():
             if not mtp and name.startswith("mtp_layers"):
+                continue
+            if active and name == "embed_tokens.weight" and not cfg.tie_word_embeddings:
                 continue
             n = p.numel()
             if active and name.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.dim() == 3:

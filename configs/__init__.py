@@ -1,0 +1,80 @@
+"""Presets (`configs/presets/*.yaml`) and the loader of the composed `IterationConfig`.
+
+    cfg = configs.load("tiny", ["model.hidden_size=64", "train.lr=1e-3"])
+
+Unknown keys and bad values raise `ConfigError` naming the key path (e.g. `model.n_group`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from model.config import ModelConfig
+from trainers.config import TrainConfig
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class IterationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+    seed: int = 0
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        nxt = d.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {k} is not a section")
+        d = nxt
+    d[keys[-1]] = value
+
+
+def _format(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return f"{source}: " + "; ".join(lines)
+
+
+def load(preset: str | Path = "tiny", overrides: Sequence[str] | Mapping[str, Any] = ()) -> IterationConfig:
+    """Load a preset by name (or a YAML path) and apply `key.path=value` overrides."""
+    path = Path(preset)
+    if not path.suffix:
+        path = PRESET_DIR / f"{preset}.yaml"
+    if not path.exists():
+        raise ConfigError(f"preset {str(preset)!r} not found (known: {', '.join(preset_names())})")
+    data = yaml.safe_load(path.read_text()) or {}
+    items = overrides.items() if isinstance(overrides, Mapping) else []
+    if not isinstance(overrides, Mapping):
+        parsed = []
+        for o in overrides:
+            if "=" not in o:
+                raise ConfigError(f"override {o!r}: expected key.path=value")
+            k, v = o.split("=", 1)
+            parsed.append((k.strip(), yaml.safe_load(v)))
+        items = parsed
+    for k, v in items:
+        _set(data, k, v)
+    try:
+        return IterationConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(path.stem, e)) from None

@@ -1,0 +1,29 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_cfg(**kw):
+    from model import ModelConfig
+
+    base = dict(
+        vocab_size=300, hidden_size=64, num_hidden_layers=4, first_k_dense_replace=1, intermediate_size=128,
+        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, index_topk=8, index_head_dim=16, index_n_heads=16,
+        indexer_types=["full", "shared", "full", "shared"], num_nextn_predict_layers=1,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture
+def cfg_factory():
+    return make_cfg
