@@ -1,0 +1,133 @@
+"""Language-model / SFT trainer core: masked next-token loss + MTP loss + DSA indexer loss.
+
+One `LMTrainer.step(ids, mask)` is an AdamW step over a batch of token ids with a target mask
+(true where a token is trained on). Around the main loss it adds
+* the MTP loss (weight `mtp_loss_weight`) so the MTP layer stays a good drafter,
+* the indexer KL loss in sparse mode (indexer input detached, so it trains only the indexer and the
+  main loss never trains the indexer) — or, with `dense_indexer_warmup`, the dense warm-up where the
+  model attends densely and only the indexer learns,
+* the aux-loss-free router-bias update after each optimiser step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from model import Transformer, indexer_kl_loss, indexer_parameters, mtp_loss, next_token_loss
+
+from .config import TrainConfig
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    mtp_loss: float
+    indexer_loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+class LMTrainer:
+    def __init__(self, model: Transformer, cfg: TrainConfig, indexer_loss: bool = True):
+        self.model, self.cfg = model, cfg
+        self.indexer_loss = indexer_loss and model.config.use_dsa
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
+        other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=cfg.betas,
+        )
+        self.step_no = 0
+
+    def lr_at(self, step: int, progress: float) -> float:
+        """Linear warm-up over `warmup_steps`, then cosine to `min_lr_ratio`·lr as progress goes 0 → 1."""
+        c = self.cfg
+        if step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        frac = min(1.0, max(0.0, progress))
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def step(self, ids: torch.Tensor, mask: torch.Tensor | None = None, progress: float = 0.0) -> StepStats:
+        t0 = time.perf_counter()
+        m, c = self.model, self.cfg
+        m.train()
+        lr = self.lr_at(self.step_no, progress)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        out = m.run(ids, collect_indexer=self.indexer_loss, detach_indexer_input=True)
+        loss = next_token_loss(out.logits, ids, mask)
+        total = loss
+        mtp = torch.zeros(())
+        if c.mtp_loss_weight > 0 and len(m.mtp_layers) and ids.shape[1] >= 3:
+            mtp = mtp_loss(m, out.hidden, ids, mask)
+            total = total + c.mtp_loss_weight * mtp
+        ix = torch.zeros(())
+        if self.indexer_loss and out.indexer_stats:
+            ix = indexer_kl_loss(out.indexer_stats)
+            total = total + ix
+        self.opt.zero_grad(set_to_none=True)
+        total.backward()
+        gn = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip)
+        self.opt.step()
+        if c.router_bias_rate > 0:
+            m.update_router_bias(c.router_bias_rate)
+        self.step_no += 1
+        n_tok = int(mask[:, 1:].sum()) if mask is not None else ids.numel() - ids.shape[0]
+        return StepStats(self.step_no, loss.item(), mtp.item(), ix.item(), lr, float(gn), n_tok,
+                         time.perf_counter() - t0)
+
+
+def dense_indexer_warmup(model: Transformer, batches: Iterator[torch.Tensor], steps: int, lr: float = 1e-3):
+    """DSA stage 1: the model attends densely; only the indexers learn KL(p ‖ softmax(I)). Returns KLs."""
+    params = indexer_parameters(model)
+    if not params:
+        raise ValueError("model has no lightning indexer (use_dsa is off)")
+    opt = torch.optim.AdamW(params, lr=lr)
+    others = [p for p in model.parameters() if all(p is not q for q in params)]
+    flags = [p.requires_grad for p in others]
+    for p in others:
+        p.requires_grad_(False)
+    kls = []
+    try:
+        for _ in range(steps):
+            ids = next(batches)
+            out = model.run(ids, dense=True, collect_indexer=True, logits=False)
+            kl = indexer_kl_loss(out.indexer_stats)
+            opt.zero_grad(set_to_none=True)
+            kl.backward()
+            opt.step()
+            kls.append(kl.item())
+    finally:
+        for p, f in zip(others, flags):
+            p.requires_grad_(f)
+    return kls
+
+
+def train_lm(
+    model: Transformer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
+    cfg: TrainConfig,
+    on_step: Callable[[StepStats], None] | None = None,
+    steps: int | None = None,
+) -> list[StepStats]:
+    """Train until `steps` (default cfg.max_steps) or `cfg.max_seconds`, whichever comes first."""
+    trainer = LMTrainer(model, cfg)
+    total = steps or cfg.max_steps
+    hist: list[StepStats] = []
+    start = time.perf_counter()
+    while trainer.step_no < total and time.perf_counter() - start < cfg.max_seconds:
+        ids, mask = next(batches)
+        progress = max(trainer.step_no / total, (time.perf_counter() - start) / cfg.max_seconds)
+        st = trainer.step(ids, mask, progress=progress)
+        hist.append(st)
+        if on_step:
+            on_step(st)
+    return hist
