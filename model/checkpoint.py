@@ -75,7 +75,8 @@ def from_hf_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[st
         if m and int(m.group(1)) >= L:
             j, rest = int(m.group(1)) - L, m.group(2)
             if j >= cfg.num_nextn_predict_layers:
-                raise KeyError(f"checkpoint has MTP layer {j} but num_nextn_predict_layers={cfg.num_nextn_predict_layers}")
+                n_mtp = cfg.num_nextn_predict_layers
+                raise KeyError(f"checkpoint has MTP layer {j} but num_nextn_predict_layers={n_mtp}")
             if rest in ("embed_tokens.weight", "shared_head.head.weight"):
                 continue  # duplicates of the main embedding / head, shared in this model
             if rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
@@ -165,7 +166,8 @@ def save_checkpoint(
                 files.append(fn)
                 weight_map.update(dict.fromkeys(sh, fn))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
         meta = {"policy_version": policy_version, "checksum": _checksum(tmp, files), **(extra_meta or {})}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
@@ -245,7 +247,9 @@ def load_checkpoint(
     missing = sorted(set(expected) - set(sd) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:
-        raise KeyError(f"{path}: checkpoint does not match config: missing {missing[:10]}, unexpected {unexpected[:10]}")
+        raise KeyError(
+            f"{path}: checkpoint does not match config: missing {missing[:10]}, unexpected {unexpected[:10]}"
+        )
     for name, ref in expected.items():
         if name in sd and tuple(sd[name].shape) != tuple(ref.shape):
             raise ValueError(f"{path}: {name} has shape {tuple(sd[name].shape)}, config implies {tuple(ref.shape)}")

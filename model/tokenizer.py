@@ -54,7 +54,8 @@ class ByteTokenizer:
         self.vocab_size = (n + 15) // 16 * 16
         self.pad_id = self._sid["<|pad|>"]
         self.eos_id = self._sid["<|endoftext|>"]
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True)) + ")")
+        alts = "|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True))
+        self._split = re.compile(f"({alts})")
 
     def special(self, token: str) -> int:
         try:

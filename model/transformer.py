@@ -38,7 +38,7 @@ from torch import nn
 from .attention import MLA, AttnContext
 from .cache import KVCache
 from .config import ModelConfig
-from .layers import MLP, Experts, MoE, RMSNorm, Router, Rotary
+from .layers import MLP, Experts, MoE, RMSNorm, Rotary, Router
 
 
 @dataclass

@@ -109,16 +109,18 @@ def cmd_demo(args) -> int:
     table = Table(title="temper demo: what ran")
     table.add_column("what")
     table.add_column("value", overflow="fold")
+    n_indexers = cfg.model.layer_indexer_types().count("full")
     table.add_row("model", f"{cfg.model.model_type}, {cfg.model.num_hidden_layers} layers, "
                            f"{cfg.model.n_routed_experts} experts top-{cfg.model.num_experts_per_tok}, "
-                           f"DSA top-{cfg.model.index_topk} ({cfg.model.layer_indexer_types().count('full')} indexers), "
+                           f"DSA top-{cfg.model.index_topk} ({n_indexers} indexers), "
                            f"{cfg.model.num_nextn_predict_layers} MTP layer")
     table.add_row("training", f"{len(hist)} steps, {n_tok:,} tokens in {train_s:.0f}s ({n_tok / train_s:,.0f} tok/s)")
     table.add_row("loss (nats/token)", f"{hist[0].loss:.3f} → {hist[-1].loss:.3f} (unigram entropy {h_uni:.3f})")
     table.add_row("MTP loss", f"{hist[0].mtp_loss:.3f} → {hist[-1].mtp_loss:.3f}")
     table.add_row("indexer KL", f"{hist[0].indexer_loss:.3f} → {hist[-1].indexer_loss:.3f}")
     size = sum(f.stat().st_size for f in ckpt.iterdir())
-    table.add_row("checkpoint", f"{ckpt} ({size / 1e6:.1f} MB, {meta['checksum'][:19]}…, policy v{meta['policy_version']})")
+    ck_desc = f"{ckpt} ({size / 1e6:.1f} MB, {meta['checksum'][:19]}…, policy v{meta['policy_version']})"
+    table.add_row("checkpoint", ck_desc)
     table.add_row("reload", f"max |Δlogit| = {drift:.2e}")
     table.add_row("samples", f"{correct}/{len(prompts)} answered correctly (greedy, cached decoding)")
     for p, t in list(zip(prompts, texts))[:3]:
