@@ -69,6 +69,19 @@ class AttnContext:
     indexer_calls: list = field(default_factory=list)  # layer ids whose indexer ran (for tests/metrics)
 
 
+def sdpa(q, k, v, scale: float, mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention that keeps the fused CPU/GPU kernels when the value width differs
+    from the query/key width (MLA: qk 192+64 vs v 128/256): the narrower side is zero-padded, which
+    changes neither the scores nor the output."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    elif dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return o[..., :dv] if dq != dv else o
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -235,14 +248,14 @@ class MLA(nn.Module):
         k, v = k.transpose(1, 2), kv[..., nope:].transpose(1, 2)
         q = torch.cat([q_nope, q_pe], -1).transpose(1, 2)  # [B,H,T,D]
         if ctx.cache is None and sel is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            o = sdpa(q, k, v, self.scale, is_causal=True)
             return o.transpose(1, 2)
         step = max(1, CHUNK_ELEMS // max(1, H * s * b))
         outs = []
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
             m = self._mask(ctx, t0, t1, s, sel).unsqueeze(1)
-            outs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k, v, attn_mask=m, scale=self.scale))
+            outs.append(sdpa(q[:, :, t0:t1], k, v, self.scale, mask=m))
         return torch.cat(outs, 2).transpose(1, 2)
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,19 +273,18 @@ class MLA(nn.Module):
             s = keys.shape[1]
             m = self._allowed(ctx, 0, t, s)  # [B,T,S]
             m = m[:, :, None, :].expand(b, t, H, s).reshape(b, 1, t * H, s)
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, 1, t * H, -1), keys[:, None], keys[:, None, :, :r], attn_mask=m, scale=self.scale
-            ).view(b, t, H, r)
+            o = sdpa(q.reshape(b, 1, t * H, -1), keys[:, None], keys[:, None, :, :r], self.scale, mask=m)
+            o = o.view(b, t, H, r)
         else:
             kk = sel.shape[-1]
             g = keys[torch.arange(b, device=keys.device)[:, None, None], sel]  # [B,T,k,r+rope]
             valid = sel <= ctx.qpos[..., None]  # [B,T,k]
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q.reshape(b * t, 1, H, -1),
                 g.reshape(b * t, 1, kk, -1),
                 g[..., :r].reshape(b * t, 1, kk, r),
-                attn_mask=valid.reshape(b * t, 1, 1, kk),
-                scale=self.scale,
+                self.scale,
+                mask=valid.reshape(b * t, 1, 1, kk),
             ).view(b, t, H, r)
         return torch.einsum("bthr,hvr->bthv", o, w_uv)
 
