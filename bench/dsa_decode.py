@@ -49,7 +49,7 @@ def main() -> None:
                                                               generator=g)
             tok = torch.randint(0, 272, (args.batch, 1), generator=g)
 
-            def step(m=m, cache=cache, tok=tok):
+            def step(m=m, cache=cache, tok=tok, ctx=ctx):
                 cache.lengths[:] = ctx
                 with torch.no_grad():
                     m(tok, cache=cache)

@@ -36,8 +36,8 @@ def main() -> None:
     for ctx in args.contexts:
         ids = torch.randint(0, 272, (1, ctx), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            t_plain = timeit(lambda: plain(ids), repeat=3)
-            t_share = timeit(lambda: share(ids), repeat=3)
+            t_plain = timeit(lambda ids=ids: plain(ids), repeat=3)
+            t_share = timeit(lambda ids=ids: share(ids), repeat=3)
         rows.append([ctx, t_plain, t_share, t_plain / t_share])
     table(f"prefill, batch 1, 4 layers, indexer 16×64 vs MLA 4 heads, top-{args.topk}, {threads()} threads",
           ["context", "plain DSA s", "IndexShare s", "speed-up"], rows)
