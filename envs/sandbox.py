@@ -1,0 +1,413 @@
+"""Sandboxes for untrusted code: agent tool calls and generated verifiers.
+
+`Sandbox.run(argv, workspace)` runs one command with the workspace mounted read-write at /work and
+returns a `RunResult` (exit code, truncated stdout/stderr, timed_out, wall seconds). Backends:
+
+* `bwrap` (default): bubblewrap with a read-only root built from /usr, /etc and the Python prefix,
+  private /tmp, no network (own net namespace, loopback down), own PID/IPC/UTS/user namespaces,
+  `--die-with-parent`; rlimits on CPU seconds, address space, file size and processes; per-run cgroup
+  `pids.max` (and memory limit) when the pids controller is writable, since RLIMIT_NPROC does not bind
+  root; a wall-clock timeout that kills the whole process group; stdout/stderr capped.
+* `docker`: the python `docker` SDK, network disabled, memory / pids / CPU limits, when an engine
+  answers.
+* `unsafe-subprocess`: a plain subprocess with the same rlimits and timeout but NO isolation. Only
+  with an explicit opt-in (`allow_unsafe=True` or TEMPER_UNSAFE_NO_SANDBOX=1); it logs a warning.
+
+`make_sandbox("auto")` picks bwrap, else docker, else raises `SandboxUnavailable` explaining how to get
+one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TOOLS_DIR = Path(__file__).parent / "tools"
+SANDBOX_TOOLS = "/opt/temper/tools"  # where envs/tools is mounted inside the sandbox
+SANDBOX_SITE = "/opt/temper/site"  # the host's site-packages (pytest), read-only
+UNSAFE_ENV = "TEMPER_UNSAFE_NO_SANDBOX"
+
+
+class SandboxUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class Limits:
+    cpu_seconds: int = 10
+    memory_bytes: int = 1 << 30
+    max_processes: int = 64
+    file_size_bytes: int = 16 << 20
+    wall_seconds: float = 20.0
+    output_bytes: int = 64 << 10
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+def _drain(pipe, cap: int, out: list, flags: dict) -> None:
+    """Read a pipe to EOF keeping at most `cap` bytes (the rest is discarded, not buffered)."""
+    kept = bytearray()
+    while True:
+        chunk = pipe.read(65536)
+        if not chunk:
+            break
+        room = cap - len(kept)
+        if room > 0:
+            kept += chunk[:room]
+        if len(chunk) > max(room, 0):
+            flags["truncated"] = True
+    out.append(bytes(kept))
+
+
+class _Cgroup:
+    """Per-run cgroup (v1 `pids`/`memory` or v2) for limits rlimits cannot give root."""
+
+    def __init__(self, limits: Limits):
+        self.paths: list[Path] = []
+        name = f"temper-{uuid.uuid4().hex[:12]}"
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        try:
+            if Path("/sys/fs/cgroup/pids").is_dir():
+                p = Path("/sys/fs/cgroup/pids") / name
+                p.mkdir()
+                (p / "pids.max").write_text(str(limits.max_processes))
+                self.paths.append(p)
+                mem = Path("/sys/fs/cgroup/memory")
+                if mem.is_dir():
+                    m = mem / name
+                    m.mkdir()
+                    (m / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+                    self.paths.append(m)
+            elif v2.exists() and "pids" in v2.read_text():
+                p = Path("/sys/fs/cgroup") / name
+                p.mkdir()
+                (p / "pids.max").write_text(str(limits.max_processes))
+                if "memory" in v2.read_text():
+                    (p / "memory.max").write_text(str(limits.memory_bytes))
+                self.paths.append(p)
+        except OSError:
+            self.close()
+            self.paths = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.paths)
+
+    def attach_self(self) -> None:  # runs in the child before exec
+        for p in self.paths:
+            (p / "cgroup.procs").write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        for p in self.paths:
+            with contextlib.suppress(OSError):
+                for pid in (p / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
+            for _ in range(50):
+                try:
+                    p.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+class Sandbox(ABC):
+    name = "base"
+
+    def __init__(self, limits: Limits | None = None):
+        self.limits = limits or Limits()
+
+    # -- subclass hooks --
+    @abstractmethod
+    def wrap(self, argv: list[str], workspace: Path, extra_ro: dict[str, Path]) -> list[str]:
+        """The host command line that runs `argv` inside this sandbox."""
+
+    def python(self) -> str:
+        return sys.executable
+
+    def tools_dir(self) -> str:
+        return str(TOOLS_DIR)
+
+    def site_dir(self) -> str:
+        return sysconfig.get_paths()["purelib"]
+
+    def workdir(self, workspace: Path) -> str:
+        return str(workspace)
+
+    def visible(self, dest: str, src: Path) -> str:
+        """Where an `extra_ro` mount {dest: src} is seen by the sandboxed process."""
+        return dest
+
+    # -- common --
+    def info(self) -> dict:
+        return {"backend": self.name}
+
+    def run(
+        self,
+        argv: list[str],
+        workspace: str | Path,
+        stdin: bytes | str | None = None,
+        limits: Limits | None = None,
+        extra_ro: dict[str, Path] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RunResult:
+        lim = limits or self.limits
+        workspace = Path(workspace)
+        cmd = self.wrap(argv, workspace, extra_ro or {})
+        cg = _Cgroup(lim) if self.uses_cgroup() else None
+
+        def pre():
+            os.setsid()
+            for res, val in (
+                (resource.RLIMIT_CPU, lim.cpu_seconds),
+                (resource.RLIMIT_AS, lim.memory_bytes),
+                (resource.RLIMIT_FSIZE, lim.file_size_bytes),
+                (resource.RLIMIT_NPROC, lim.max_processes),
+                (resource.RLIMIT_CORE, 0),
+            ):
+                with contextlib.suppress(ValueError, OSError):
+                    resource.setrlimit(res, (val, val))
+            if cg is not None and cg.active:
+                cg.attach_self()
+
+        run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONHASHSEED": "0", **(env or {})}
+        t0 = time.perf_counter()
+        out: list[bytes] = []
+        err: list[bytes] = []
+        flags: dict = {}
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=pre, env=run_env, cwd=self.host_cwd(workspace))
+        except OSError as e:
+            if cg is not None:
+                cg.close()
+            return RunResult(127, "", f"sandbox failed to start: {e}", seconds=time.perf_counter() - t0)
+        threads = [threading.Thread(target=_drain, args=(proc.stdout, lim.output_bytes, out, flags), daemon=True),
+                   threading.Thread(target=_drain, args=(proc.stderr, lim.output_bytes, err, flags), daemon=True)]
+        for t in threads:
+            t.start()
+        if stdin is not None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=lim.wall_seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        finally:
+            if cg is not None:
+                cg.close()
+        for t in threads:
+            t.join(timeout=5)
+        res = RunResult(
+            returncode=rc,
+            stdout=(out[0] if out else b"").decode("utf-8", "replace"),
+            stderr=(err[0] if err else b"").decode("utf-8", "replace"),
+            timed_out=timed_out,
+            truncated=bool(flags.get("truncated")),
+            seconds=time.perf_counter() - t0,
+        )
+        return res
+
+    def uses_cgroup(self) -> bool:
+        return False
+
+    def host_cwd(self, workspace: Path) -> str | None:
+        return None
+
+
+class BwrapSandbox(Sandbox):
+    name = "bwrap"
+
+    def __init__(self, limits: Limits | None = None, bwrap: str | None = None):
+        super().__init__(limits)
+        self.bwrap = bwrap or shutil.which("bwrap")
+        if not self.bwrap:
+            raise SandboxUnavailable("bubblewrap (bwrap) not found: apt-get install bubblewrap")
+        self._root = os.geteuid() == 0
+        self.prefix = sys.base_prefix
+
+    def python(self) -> str:
+        return str(Path(self.prefix) / "bin" / "python3")
+
+    def tools_dir(self) -> str:
+        return SANDBOX_TOOLS
+
+    def site_dir(self) -> str:
+        return SANDBOX_SITE
+
+    def workdir(self, workspace: Path) -> str:
+        return "/work"
+
+    def uses_cgroup(self) -> bool:
+        return self._root  # RLIMIT_NPROC does not bind root: use the pids controller
+
+    def info(self) -> dict:
+        probe = _Cgroup(Limits()) if self._root else None
+        enforced = (not self._root) or bool(probe and probe.active)
+        if probe:
+            probe.close()
+        return {"backend": self.name, "bwrap": self.bwrap, "process_limit_enforced": enforced}
+
+    def wrap(self, argv, workspace, extra_ro):
+        a = [self.bwrap, "--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if Path("/" + link).is_symlink():
+                a += ["--symlink", os.readlink("/" + link), "/" + link]
+            elif Path("/" + link).is_dir():
+                a += ["--ro-bind", "/" + link, "/" + link]
+        a += ["--ro-bind", "/etc", "/etc", "--ro-bind", self.prefix, self.prefix]
+        a += ["--ro-bind", str(TOOLS_DIR), SANDBOX_TOOLS]
+        a += ["--ro-bind", sysconfig.get_paths()["purelib"], SANDBOX_SITE]
+        for dest, src in extra_ro.items():
+            a += ["--ro-bind", str(src), dest]
+        a += ["--bind", str(workspace), "/work", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
+              "--unshare-all", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
+              "--die-with-parent", "--chdir", "/work", "--"]
+        return a + argv
+
+
+class DockerSandbox(Sandbox):
+    """Docker engine via the python SDK: no network, memory/pids/CPU limits, workspace bind-mounted."""
+
+    name = "docker"
+
+    def wrap(self, argv, workspace, extra_ro):
+        return argv  # unused: run() talks to the engine directly
+
+    def __init__(self, limits: Limits | None = None, image: str = "python:3.11-slim"):
+        super().__init__(limits)
+        try:
+            import docker  # type: ignore[import-not-found]
+
+            self.client = docker.from_env()
+            self.client.ping()
+        except Exception as e:  # noqa: BLE001 - any failure means no usable engine
+            raise SandboxUnavailable(f"no Docker engine answers ({type(e).__name__}: {e})") from None
+        self.image = image
+
+    def python(self) -> str:
+        return "python3"
+
+    def tools_dir(self) -> str:
+        return SANDBOX_TOOLS
+
+    def site_dir(self) -> str:
+        return SANDBOX_SITE
+
+    def workdir(self, workspace: Path) -> str:
+        return "/work"
+
+    def run(self, argv, workspace, stdin=None, limits=None, extra_ro=None, env=None) -> RunResult:
+        lim = limits or self.limits
+        vols = {str(Path(workspace)): {"bind": "/work", "mode": "rw"},
+                str(TOOLS_DIR): {"bind": SANDBOX_TOOLS, "mode": "ro"},
+                sysconfig.get_paths()["purelib"]: {"bind": SANDBOX_SITE, "mode": "ro"}}
+        for dest, src in (extra_ro or {}).items():
+            vols[str(src)] = {"bind": dest, "mode": "ro"}
+        t0 = time.perf_counter()
+        c = self.client.containers.create(
+            self.image, argv, working_dir="/work", volumes=vols, network_disabled=True, mem_limit=lim.memory_bytes,
+            pids_limit=lim.max_processes, nano_cpus=10**9, stdin_open=stdin is not None, environment=env or {},
+            ulimits=[], user="65534:65534",
+        )
+        try:
+            c.start()
+            if stdin is not None:
+                sock = c.attach_socket(params={"stdin": 1, "stream": 1})
+                sock._sock.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
+                sock._sock.close()
+            timed_out = False
+            try:
+                rc = c.wait(timeout=lim.wall_seconds)["StatusCode"]
+            except Exception:  # noqa: BLE001 - requests' timeout types vary by version
+                timed_out = True
+                c.kill()
+                rc = -9
+            out = c.logs(stdout=True, stderr=False)
+            err = c.logs(stdout=False, stderr=True)
+        finally:
+            c.remove(force=True)
+        cap = lim.output_bytes
+        return RunResult(rc, out[:cap].decode("utf-8", "replace"), err[:cap].decode("utf-8", "replace"),
+                         timed_out, len(out) > cap or len(err) > cap, time.perf_counter() - t0)
+
+
+class UnsafeSubprocess(Sandbox):
+    """NO ISOLATION: the agent's code runs as this user with this machine's files and network."""
+
+    name = "unsafe-subprocess"
+
+    def __init__(self, limits: Limits | None = None):
+        super().__init__(limits)
+        log.warning("temper: running agent code WITHOUT a sandbox (unsafe-subprocess backend)")
+
+    def wrap(self, argv, workspace, extra_ro):
+        return argv
+
+    def host_cwd(self, workspace: Path) -> str | None:
+        return str(workspace)
+
+    def visible(self, dest: str, src: Path) -> str:
+        return str(src)
+
+
+def make_sandbox(kind: str = "auto", limits: Limits | None = None, allow_unsafe: bool = False) -> Sandbox:
+    """Build a sandbox: "auto" (bwrap, else docker), "bwrap", "docker" or "unsafe-subprocess"."""
+    if kind == "unsafe-subprocess":
+        if not (allow_unsafe or os.environ.get(UNSAFE_ENV) == "1"):
+            raise SandboxUnavailable(
+                f"the unsafe-subprocess backend runs agent code without isolation; opt in explicitly with "
+                f"allow_unsafe=True or {UNSAFE_ENV}=1"
+            )
+        return UnsafeSubprocess(limits)
+    if kind == "bwrap":
+        return BwrapSandbox(limits)
+    if kind == "docker":
+        return DockerSandbox(limits)
+    if kind != "auto":
+        raise ValueError(f"sandbox kind {kind!r}: expected auto, bwrap, docker or unsafe-subprocess")
+    reasons = []
+    for cls in (BwrapSandbox, DockerSandbox):
+        try:
+            return cls(limits)
+        except SandboxUnavailable as e:
+            reasons.append(f"{cls.name}: {e}")
+    raise SandboxUnavailable(
+        "no sandbox available (" + "; ".join(reasons) + "). Install bubblewrap (apt-get install bubblewrap) or "
+        f"start a Docker engine; to run agent code unsandboxed anyway set {UNSAFE_ENV}=1."
+    )
