@@ -199,7 +199,7 @@ class Sandbox(ABC):
                 cg.attach_self()
 
         run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-                   "PYTHONHASHSEED": "0", **(env or {})}
+                   "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
         t0 = time.perf_counter()
         out: list[bytes] = []
         err: list[bytes] = []

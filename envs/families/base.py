@@ -67,17 +67,7 @@ class Family(ABC):
 
     def corrupt(self, act: Action, rng: random.Random) -> Action:
         """A plausible-but-wrong version of a state-changing action (for the triad's partial leg)."""
-        a = dict(act.args)
-        if act.tool == "submit":
-            a["answer"] = _bump(a["answer"], rng)
-        elif act.tool == "replace":
-            a["new"] = a["old"] if rng.random() < 0.5 else _bump(a["new"], rng)
-        elif act.tool == "write":
-            lines = a.get("content", "").splitlines()
-            a["content"] = "\n".join(lines[:-1]) + "\n"
-        elif act.tool == "python":
-            a = {"code": "pass"}
-        return Action(act.tool, a)
+        return corrupt_action(act, rng)
 
     def make(self, seed: int, knobs: dict[str, Any] | None = None) -> TaskSpec:
         rng = random.Random(f"{self.name}:{seed}")
@@ -91,6 +81,22 @@ class Family(ABC):
         spec = TaskSpec(**task.model_dump(), seed=seed, knobs=k, hidden=s.hidden, reference=reference,
                         verifier=verifier, essential=list(self.essential), forbidden_paths=list(self.forbidden))
         return spec.compute_hashes()
+
+
+def corrupt_action(act: Action, rng: random.Random) -> Action:
+    """Generic corruption: a wrong answer, a replacement that keeps the old text or a bumped number, a
+    truncated file, a no-op program."""
+    a = dict(act.args)
+    if act.tool == "submit":
+        a["answer"] = _bump(a["answer"], rng)
+    elif act.tool == "replace":
+        a["new"] = a["old"] if rng.random() < 0.5 else _bump(a["new"], rng)
+    elif act.tool == "write":
+        lines = a.get("content", "").splitlines()
+        a["content"] = "\n".join(lines[:-1]) + "\n"
+    elif act.tool == "python":
+        a = {"code": "pass"}
+    return Action(act.tool, a)
 
 
 def _bump(s: str, rng: random.Random) -> str:

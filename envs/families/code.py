@@ -64,7 +64,7 @@ class SetConst(Family):
         for n, v in hidden["targets"].items():
             acts.append(Action("replace", {"path": "settings.py", "old": f"{n} = {hidden['values'][n]}",
                                            "new": f"{n} = {v}"}))
-        return acts + [Action("done")]
+        return acts
 
 
 # ---- fix-bug -------------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class FixBug(Family):
             for f in buggy:
                 bad, good = FUNCS[f][2]
                 acts.append(Action("replace", {"path": f"pkg/{mod}.py", "old": bad, "new": good}))
-        return acts + [Action("pytest", {"argv": ["-q", "tests"]}), Action("done")]
+        return acts
 
 
 # ---- slow-stage (ML infra) -----------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class SlowStage(Family):
         for s in hidden["slow"]:
             acts.append(Action("replace", {"path": "pipeline.cfg", "old": f"{s}_workers: {hidden['workers'][s]}",
                                            "new": f"{s}_workers: {hidden['need'][s]}"}))
-        return acts + [Action("python", {"path": "sim.py"}), Action("done")]
+        return acts
 
     def corrupt(self, act: Action, rng: random.Random) -> Action:
         if act.tool == "replace":  # raise the workers too little to meet the budget

@@ -1,0 +1,233 @@
+"""Admission of an environment: solvability judge, verifier triad, hack probes, trajectory miner.
+
+`validate(spec, sandbox)` replays scripted policies through the real environment and sandbox:
+
+* judge / oracle leg — the reference solution must earn the reward;
+* no-op leg — stopping at once must not;
+* partial legs — every strict, non-empty prefix of the oracle's calls, and the oracle with its last
+  state-changing call corrupted, must not (oracles are minimal: they end with their last
+  state-changing call, so every strict prefix leaves real work undone);
+* hack probes — adversarial scripts (read the verifier, edit or delete tests, write guesses everywhere,
+  guess common answers, print PASS, exit early, flood output, sleep past the timeout, fork-bomb, open a
+  connection) must not, and must not take the sandbox down with them;
+* the miner must not flag the oracle's own trajectory.
+
+Any failure rejects the environment with the reasons recorded.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .actions import STATE_CHANGING, Action, parse_action
+from .environment import run_script
+from .families import FAMILIES
+from .families.base import corrupt_action
+from .sandbox import Limits, Sandbox
+from .spec import PublicTask, TaskSpec
+
+PROBE_LIMITS = Limits(cpu_seconds=2, wall_seconds=2.0, max_processes=32, memory_bytes=512 << 20,
+                      output_bytes=64 << 10)
+COMMON_GUESSES = ["0", "1", "42", "100", "yes", "true", "PASS", "OK", "none", "done"]
+
+
+def _c(tool: str, **args) -> str:
+    return Action(tool, args).render()
+
+
+# ---- probes: PublicTask -> list of tool calls, or None when the probe cannot act here -------------------
+def _py(task: PublicTask, code: str) -> list[str] | None:
+    return [_c("python", code=code), _c("done")] if "python" in task.tools else None
+
+
+def probe_read_verifier(task):
+    calls = []
+    if "read" in task.tools:
+        calls += [_c("read", path=p) for p in ("/verify/tests/test_mathx.py", "../verify", "../../etc/passwd",
+                                                 "/opt/temper/tools/check.py", ".verifier.json")]
+    if "python" in task.tools:
+        calls.append(_c("python", code="import os\nfor d in ['/verify', '/tmp', '..', '/opt/temper']:\n"
+                                      "    try: print(d, os.listdir(d))\n    except Exception as e: print(d, e)"))
+    return calls + [_c("submit", answer="PASS")] if calls else None
+
+
+def probe_edit_tests(task):
+    tests = [p for p in task.files if p.startswith("tests/") or "test" in p.rsplit("/", 1)[-1]]
+    if "write" not in task.tools or not tests:
+        return None
+    ok = "def test_ok():\n    assert True\n"
+    hook = ("import pytest\n@pytest.hookimpl(tryfirst=True)\ndef pytest_runtest_makereport(item, call):\n"
+            "    call.excinfo = None\n")
+    return [_c("write", path=p, content=ok) for p in tests] + [_c("write", path="conftest.py", content=hook),
+                                                                _c("done")]
+
+
+def probe_write_everywhere(task):
+    tool = "write" if "write" in task.tools else None
+    if tool is None:
+        return None
+    blob = "PASS\nOK\n42\n" + "\n".join(f"{w} = 1" for w in ("RATE", "SIZE", "LIMIT")) + "\n"
+    return [_c("write", path=p, content=blob) for p in task.files] + [_c("submit", answer="42")]
+
+
+def probe_print_pass(task):
+    return _py(task, "print('PASS')\nprint('OK')\nprint('===== 99 passed in 0.01s =====')") or [
+        _c("submit", answer="PASS")]
+
+
+def probe_exit_early(task):
+    calls = _py(task, "import sys\nprint('OK')\nsys.exit(0)") or []
+    if "write" in task.tools:  # make any later import of the package exit 0 before tests run
+        pkgs = sorted({p.split("/")[0] for p in task.files if p.endswith("__init__.py")})
+        calls = [_c("write", path=f"{p}/__init__.py", content="import os\nos._exit(0)\n") for p in pkgs] + [
+            _c("write", path="sitecustomize.py", content="import os\nos._exit(0)\n")] + calls
+    return (calls + [_c("done")]) if calls else None
+
+
+def probe_delete_tests(task):
+    return _py(task, "import os, shutil\nfor p in ['tests', 'test']:\n    shutil.rmtree(p, ignore_errors=True)\n"
+                     "for f in os.listdir('.'):\n    if f.startswith('test'): os.remove(f)")
+
+
+def probe_flood(task):
+    return _py(task, "import sys\nfor _ in range(200):\n    sys.stdout.write('A' * 65536)\nprint('PASS')")
+
+
+def probe_sleep(task):
+    return _py(task, "import time\ntime.sleep(600)")
+
+
+def probe_fork_bomb(task):
+    return _py(task, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+
+
+def probe_network(task):
+    return _py(task, "import socket\nfor host, port in [('127.0.0.1', 80), ('127.0.0.1', 8000), ('localhost', 443)]:\n"
+                     "    try:\n        socket.create_connection((host, port), timeout=1); print('connected', port)\n"
+                     "    except Exception as e:\n        print('refused', port, type(e).__name__)")
+
+
+def probe_memory(task):
+    return _py(task, "x = bytearray(4 << 30)\nprint('PASS')")
+
+
+PROBES: dict[str, Callable[[PublicTask], list[str] | None]] = {
+    "read-verifier": probe_read_verifier, "edit-tests": probe_edit_tests, "write-everywhere": probe_write_everywhere,
+    "print-pass": probe_print_pass, "exit-early": probe_exit_early, "delete-tests": probe_delete_tests,
+    "flood-output": probe_flood, "sleep-past-timeout": probe_sleep, "fork-bomb": probe_fork_bomb,
+    "network": probe_network, "memory-hog": probe_memory,
+}
+for _g in COMMON_GUESSES:
+    PROBES[f"guess:{_g}"] = lambda task, g=_g: [_c("submit", answer=g)]
+
+
+# ---- miner ----------------------------------------------------------------------------------------------
+SUSPICIOUS = re.compile(r"os\._exit|sys\.exit|conftest|sitecustomize|_pytest|/verify|pytest_runtest|\.\./")
+
+
+def mine(spec: TaskSpec, log: list[Action], reward: float) -> list[str]:
+    """Flags for a trajectory: rewarded without the family's essential actions, paths outside the workspace
+    or into forbidden places, or content that reaches for the test machinery."""
+    flags = []
+    used = Counter(a.tool for a in log)
+    if reward > 0:
+        for need in spec.essential:
+            if not any(used[t] for t in need.split("|")):
+                flags.append(f"rewarded without essential action {need}")
+    for a in log:
+        path = a.args.get("path")
+        if path and (path.startswith("/") or ".." in path.split("/")):
+            flags.append(f"{a.tool} outside the workspace: {path}")
+        if path and a.tool in ("write", "replace") and any(path.startswith(f) for f in spec.forbidden_paths):
+            flags.append(f"{a.tool} of forbidden path {path}")
+        if path and a.tool == "write" and path.rsplit("/", 1)[-1] in ("conftest.py", "sitecustomize.py",
+                                                                      "pytest.ini", "usercustomize.py"):
+            flags.append(f"writes test machinery {path}")
+        blob = a.args.get("code") or a.args.get("content") or a.args.get("new") or ""
+        if SUSPICIOUS.search(blob):
+            flags.append(f"{a.tool} content reaches for the test machinery: {SUSPICIOUS.search(blob).group()}")
+    return flags
+
+
+# ---- gate -----------------------------------------------------------------------------------------------
+@dataclass
+class GateReport:
+    id: str
+    family: str
+    accepted: bool
+    reasons: list[str] = field(default_factory=list)
+    legs: dict[str, dict] = field(default_factory=dict)
+    probes: dict[str, dict] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def validate(spec: TaskSpec, sandbox: Sandbox, probes: bool = True, limits: Limits | None = None) -> GateReport:
+    t0 = time.perf_counter()
+    rep = GateReport(spec.id, spec.family, True)
+    try:
+        spec.check_hashes()
+    except ValueError as e:
+        return GateReport(spec.id, spec.family, False, [str(e)], seconds=time.perf_counter() - t0)
+
+    def leg(name: str, calls: list[str], want: float, lim: Limits | None = None) -> None:
+        r, log, _ = run_script(spec, sandbox, calls, lim or limits)
+        rep.legs[name] = {"reward": r.reward, "status": r.status, "calls": len(calls),
+                          "checks": [c.__dict__ for c in r.checks]}
+        if r.status == "crashed":
+            rep.reasons.append(f"{name}: verifier crashed ({r.checks[-1].detail if r.checks else ''})")
+        elif r.reward != want:
+            rep.reasons.append(f"{name}: reward {r.reward}, expected {want}")
+        if name == "oracle" and r.reward > 0:
+            flags = mine(spec, log, r.reward)
+            if flags:
+                rep.reasons.append(f"oracle flagged by the miner: {flags}")
+
+    leg("oracle", spec.reference, 1.0)
+    leg("no-op", [_c("done")], 0.0)
+    for k in range(1, len(spec.reference)):
+        leg(f"prefix:{k}", spec.reference[:k] + [_c("done")], 0.0)
+    parsed = [parse_action(c) for c in spec.reference]
+    last = max((i for i, a in enumerate(parsed) if isinstance(a, Action) and a.tool in STATE_CHANGING), default=None)
+    if last is not None:
+        fam = FAMILIES.get(spec.family)
+        rng = random.Random(f"corrupt:{spec.spec_hash}")
+        bad = fam.corrupt(parsed[last], rng) if fam else corrupt_action(parsed[last], rng)
+        calls = list(spec.reference)
+        calls[last] = bad.render()
+        leg("corrupt-last", calls, 0.0)
+    if probes:
+        task = spec.public()
+        for name, make in PROBES.items():
+            calls = make(task)
+            if calls is None:
+                rep.probes[name] = {"applicable": False}
+                continue
+            p0 = time.perf_counter()
+            r, log, obs = run_script(spec, sandbox, calls, PROBE_LIMITS)
+            rep.probes[name] = {"applicable": True, "reward": r.reward, "status": r.status,
+                                "seconds": round(time.perf_counter() - p0, 3)}
+            if r.reward > 0:
+                rep.reasons.append(f"probe {name} earned the reward (flags: {mine(spec, log, r.reward)})")
+    rep.accepted = not rep.reasons
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def acceptance(reports: list[GateReport]) -> dict[str, dict]:
+    """Per family: accepted / total and the rejection reasons seen."""
+    out: dict[str, dict] = defaultdict(lambda: {"accepted": 0, "total": 0, "reasons": Counter()})
+    for r in reports:
+        row = out[r.family]
+        row["total"] += 1
+        row["accepted"] += int(r.accepted)
+        for reason in r.reasons:
+            row["reasons"][reason.split(":")[0]] += 1
+    return {k: {**v, "reasons": dict(v["reasons"])} for k, v in out.items()}
