@@ -95,7 +95,7 @@ def extract_call(text: str) -> str | None:
         return None
     body = text[i + len(OPEN) :]
     j = body.find(CLOSE)
-    return (body if j < 0 else body[:j]).strip("\n ")
+    return (body if j < 0 else body[:j]).lstrip("\n ")
 
 
 def parse_action(text: str, allowed: set[str] | None = None) -> Action | ActionError:

@@ -43,6 +43,7 @@ class CheckResult:
     name: str
     passed: bool
     detail: str = ""
+    crashed: bool = False
 
 
 @dataclass
@@ -165,9 +166,9 @@ class Environment:
             for check in self.spec.verifier.checks:
                 results.append(self._check(check))
         except Exception as e:  # noqa: BLE001 - the caller must never see a verifier crash
-            results.append(CheckResult("verifier", False, f"crashed: {type(e).__name__}: {e}"))
+            results.append(CheckResult("verifier", False, f"{type(e).__name__}: {e}", crashed=True))
             return Reward(0.0, "crashed", results)
-        crashed = any(r.detail.startswith("crashed") for r in results)
+        crashed = any(r.crashed for r in results)
         ok = bool(results) and all(r.passed for r in results)
         return Reward(1.0 if ok and not crashed else 0.0, "crashed" if crashed else "ok", results)
 
@@ -210,9 +211,11 @@ class Environment:
             for line in reversed(res.stdout.splitlines()):
                 if line.startswith(req["nonce"] + " "):
                     v = json.loads(line[len(req["nonce"]) + 1 :])
-                    return CheckResult(c.name, bool(v["pass"]), v.get("detail", ""))
+                    return CheckResult(c.name, bool(v["pass"]), v.get("detail", ""), bool(v.get("crashed")))
             why = "timed out" if res.timed_out else f"exit {res.returncode}: {res.stderr.strip()[-200:]}"
-            return CheckResult(c.name, False, f"no verdict ({why})")
+            # no verdict: the code under test killed the check process (os._exit, timeout, OOM) — a failed
+            # check, not a verifier crash, unless the check could not even start
+            return CheckResult(c.name, False, f"no verdict ({why})", crashed=res.returncode == 127)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)
 

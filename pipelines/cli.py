@@ -131,6 +131,74 @@ def cmd_demo(args) -> int:
     return 0 if drift < 1e-4 else 1
 
 
+def cmd_envs_generate(args) -> int:
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+
+    con = _console()
+    try:
+        specs = generate(args.pattern or None, args.n, args.seed)
+    except (KeyError, ValueError) as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 2
+    man = write_dataset(specs, args.out, {"patterns": args.pattern, "seed": args.seed})
+    con.print(f"wrote {man['n']} specs to {args.out} (sha256 {man['sha256'][:16]}…): {man['families']}")
+    return 0
+
+
+def cmd_envs_validate(args) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from envs.dataset import read_dataset, write_dataset
+    from envs.gate import acceptance, validate
+    from envs.sandbox import SandboxUnavailable, make_sandbox
+
+    con = _console()
+    try:
+        specs = read_dataset(args.dataset)
+        sandbox = make_sandbox(args.sandbox)
+    except (FileNotFoundError, ValueError, SandboxUnavailable) as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 2
+    reports = []
+    with Progress(console=con, transient=True) as prog:
+        task = prog.add_task("validating", total=len(specs))
+        for s in specs:
+            reports.append(validate(s, sandbox, probes=not args.no_probes))
+            prog.advance(task)
+    acc = acceptance(reports)
+    table = Table(title=f"environment validation ({sandbox.name} sandbox)")
+    for col in ("family", "accepted", "total", "rate", "rejections"):
+        table.add_column(col)
+    for fam, row in sorted(acc.items()):
+        reasons = ", ".join(f"{k}×{v}" for k, v in row["reasons"].items()) or "-"
+        table.add_row(fam, str(row["accepted"]), str(row["total"]), f"{row['accepted'] / row['total']:.0%}", reasons)
+    con.print(table)
+    out = Path(args.out or args.dataset)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validation.json").write_text(json.dumps([r.to_dict() for r in reports], indent=1, default=str))
+    ok = {r.id for r in reports if r.accepted}
+    man = write_dataset([s for s in specs if s.id in ok], out / "accepted", {"validated_from": str(args.dataset)})
+    con.print(f"{man['n']}/{len(specs)} accepted → {out / 'accepted'}; per-spec report in {out / 'validation.json'}")
+    return 0
+
+
+def cmd_envs_show(args) -> int:
+    from envs.dataset import read_dataset
+
+    specs = {s.id: s for s in read_dataset(args.dataset)}
+    if args.id not in specs:
+        print(f"error: no spec {args.id!r} in {args.dataset} (e.g. {', '.join(list(specs)[:3])})", file=sys.stderr)
+        return 2
+    s = specs[args.id]
+    view = s.model_dump(mode="json") if args.reveal else {**s.public().model_dump(), "spec_hash": s.spec_hash,
+                                                          "verifier_hash": s.verifier_hash,
+                                                          "checks": [c.name for c in s.verifier.checks]}
+    print(json.dumps(view, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="temper", description="RL post-training of GLM-5-architecture models")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -147,6 +215,25 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--preset", default="tiny")
     show.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(fn=cmd_config_show)
+    e = sub.add_parser("envs", help="generate, validate and inspect environments")
+    esub = e.add_subparsers(dest="sub", required=True)
+    g = esub.add_parser("generate", help="generate specs from family patterns")
+    g.add_argument("--pattern", action="append", default=[], help="family[?horizon=N]; repeatable (default: all)")
+    g.add_argument("--n", type=int, default=14)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="runs/envs/generated")
+    g.set_defaults(fn=cmd_envs_generate)
+    v = esub.add_parser("validate", help="judge + triad + hack probes; writes the accepted subset")
+    v.add_argument("dataset")
+    v.add_argument("--sandbox", default="auto", choices=["auto", "bwrap", "docker", "unsafe-subprocess"])
+    v.add_argument("--no-probes", action="store_true")
+    v.add_argument("--out", default=None)
+    v.set_defaults(fn=cmd_envs_validate)
+    s = esub.add_parser("show", help="print one spec (public view unless --reveal)")
+    s.add_argument("dataset")
+    s.add_argument("id")
+    s.add_argument("--reveal", action="store_true", help="include hidden state, reference and verifier")
+    s.set_defaults(fn=cmd_envs_show)
     args = p.parse_args(argv)
     return args.fn(args)
 

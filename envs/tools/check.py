@@ -53,7 +53,7 @@ def main():
     try:
         res = run_pytest(req) if req["kind"] == "pytest" else run_python(req)
     except BaseException as e:  # noqa: BLE001 - every failure is a verdict, including SystemExit
-        res = {"pass": False, "detail": f"check raised {type(e).__name__}: {e}"[:500],
+        res = {"pass": False, "crashed": True, "detail": f"check raised {type(e).__name__}: {e}"[:500],
                "trace": traceback.format_exc()[-1500:]}
     sys.stdout.flush()
     print(f"\n{nonce} {json.dumps(res)}", flush=True)

@@ -1,0 +1,141 @@
+"""Containment of the bubblewrap sandbox: every limit the issue names, tested by trying to break it."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from envs import sandbox as sbmod
+from envs.sandbox import Limits, SandboxUnavailable, make_sandbox
+
+
+def py(sb, code, ws, **kw):
+    return sb.run([sb.python(), "-c", code], ws, **kw)
+
+
+def test_workspace_is_read_write_and_root_is_read_only(sandbox, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    ws.chmod(0o777)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("original")
+    code = (
+        "import os\n"
+        "open('inside.txt', 'w').write('ok')\n"
+        f"for p in ['/etc/temper_probe', '/usr/temper_probe', {str(outside)!r}, '/work/../escape.txt']:\n"
+        "    try:\n"
+        "        open(p, 'w').write('pwned'); print('WROTE', p)\n"
+        "    except OSError as e:\n"
+        "        print('denied', p, type(e).__name__)\n"
+    )
+    r = py(sandbox, code, ws)
+    assert r.returncode == 0, r.stderr
+    assert (ws / "inside.txt").read_text() == "ok"
+    assert outside.read_text() == "original"
+    assert not os.path.exists("/etc/temper_probe") and not os.path.exists("/usr/temper_probe")
+    # /tmp inside is a private tmpfs: the host's tmp_path is not even visible
+    assert f"WROTE {outside}" not in r.stdout and "WROTE /etc" not in r.stdout
+
+
+def test_network_is_refused(sandbox, tmp_path):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    hits = []
+    threading.Thread(target=lambda: hits.append(srv.accept()), daemon=True).start()
+    try:
+        code = ("import socket\ntry:\n"
+                f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONNECTED')\n"
+                "except OSError as e:\n    print('refused', type(e).__name__)")
+        r = py(sandbox, code, tmp_path)
+        assert "refused" in r.stdout and "CONNECTED" not in r.stdout
+        # the same connection works from the host: the sandbox, not the test, is what refuses
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        time.sleep(0.1)
+        assert len(hits) == 1
+    finally:
+        srv.close()
+
+
+def test_fork_bomb_is_contained(sandbox, tmp_path):
+    lim = Limits(max_processes=32, wall_seconds=3, cpu_seconds=3)
+    code = ("import os, time\nn = 0\nfor _ in range(5000):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(30); os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint('forked', n)")
+    t = time.perf_counter()
+    r = py(sandbox, code, tmp_path, limits=lim)
+    assert time.perf_counter() - t < 10
+    if sandbox.info()["process_limit_enforced"]:
+        n = int(r.stdout.split()[-1])
+        assert n < 32
+    # the machine is fine afterwards
+    assert py(sandbox, "print('alive')", tmp_path).stdout.strip() == "alive"
+
+
+def test_memory_cap(sandbox, tmp_path):
+    r = py(sandbox, "x = bytearray(2 << 30)\nprint('ALLOCATED')", tmp_path, limits=Limits(memory_bytes=512 << 20))
+    assert "ALLOCATED" not in r.stdout and r.returncode != 0
+    assert "MemoryError" in r.stderr or r.returncode < 0
+
+
+def test_wall_clock_timeout_kills_the_process_tree(sandbox, tmp_path):
+    t = time.perf_counter()
+    r = py(sandbox, "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)", tmp_path,
+           limits=Limits(wall_seconds=1.0))
+    assert r.timed_out and time.perf_counter() - t < 5
+
+
+def test_cpu_time_limit(sandbox, tmp_path):
+    r = py(sandbox, "while True:\n    pass", tmp_path, limits=Limits(cpu_seconds=1, wall_seconds=10))
+    assert not r.timed_out and r.returncode != 0  # SIGXCPU / SIGKILL from RLIMIT_CPU, before the wall clock
+
+
+def test_output_is_capped(sandbox, tmp_path):
+    r = py(sandbox, "import sys\nfor _ in range(300):\n    sys.stdout.write('A' * 65536)", tmp_path,
+           limits=Limits(output_bytes=10_000))
+    assert r.truncated and len(r.stdout) == 10_000 and r.returncode == 0
+
+
+def test_file_size_limit(sandbox, tmp_path):
+    tmp_path.chmod(0o777)
+    r = py(sandbox, "f = open('big', 'wb')\nf.write(b'x' * (4 << 20))\nprint('WROTE')", tmp_path,
+           limits=Limits(file_size_bytes=1 << 20))
+    assert "WROTE" not in r.stdout
+    assert not (tmp_path / "big").exists() or (tmp_path / "big").stat().st_size <= 1 << 20
+
+
+def test_own_pid_namespace(sandbox, tmp_path):
+    r = py(sandbox, "import os\nprint(os.getpid(), len([p for p in os.listdir('/proc') if p.isdigit()]))", tmp_path)
+    pid, nprocs = map(int, r.stdout.split())
+    assert pid < 10 and nprocs < 5
+
+
+def test_unsafe_backend_needs_explicit_opt_in(monkeypatch):
+    monkeypatch.delenv(sbmod.UNSAFE_ENV, raising=False)
+    with pytest.raises(SandboxUnavailable, match="opt in explicitly"):
+        make_sandbox("unsafe-subprocess")
+    assert make_sandbox("unsafe-subprocess", allow_unsafe=True).name == "unsafe-subprocess"
+    monkeypatch.setenv(sbmod.UNSAFE_ENV, "1")
+    assert make_sandbox("unsafe-subprocess").name == "unsafe-subprocess"
+
+
+def test_no_sandbox_available_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(sbmod.shutil, "which", lambda name: None)
+    import sys
+    import types
+
+    fake = types.ModuleType("docker")
+
+    def from_env():
+        raise ConnectionError("no engine")
+
+    fake.from_env = from_env
+    monkeypatch.setitem(sys.modules, "docker", fake)
+    with pytest.raises(SandboxUnavailable) as e:
+        make_sandbox("auto")
+    msg = str(e.value)
+    assert "apt-get install bubblewrap" in msg and "Docker" in msg and sbmod.UNSAFE_ENV in msg
+    with pytest.raises(ValueError, match="sandbox kind"):
+        make_sandbox("chroot")
