@@ -34,7 +34,7 @@ class SetConst(Family):
         for n in rng.sample(names, knobs["horizon"]):
             targets[n] = rng.choice([v for v in range(1, 10) if v != values[n]])
         files = {"settings.py": "".join(f"{n} = {values[n]}\n" for n in names)}
-        asks = " and ".join(f"{n} to {v}" for n, v in targets.items())
+        asks = " and ".join(f"{n} (now {values[n]}) to {v}" for n, v in targets.items())
         return Sampled(f"In settings.py set {asks}.", files, {"values": values, "targets": targets})
 
     def build_verifier(self, task: PublicTask, hidden: dict[str, Any]) -> Verifier:
@@ -60,7 +60,7 @@ class SetConst(Family):
         return Verifier(checks=[Check(kind="python", name="constants", code=code)])
 
     def solve(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
-        acts = [Action("read", {"path": "settings.py"})]
+        acts = []
         for n, v in hidden["targets"].items():
             acts.append(Action("replace", {"path": "settings.py", "old": f"{n} = {hidden['values'][n]}",
                                            "new": f"{n} = {v}"}))
@@ -149,13 +149,13 @@ class FixBug(Family):
     tools = ("ls", "read", "replace", "write", "pytest", "python")
     essential = ("replace|write", "read")
     forbidden = ("tests/",)
-    horizon = (1, 3)
+    horizon = (1, 5)
 
     def max_turns(self, knobs: dict[str, Any]) -> int:
         return 5 * knobs["horizon"] + 8
 
     def sample(self, rng: random.Random, knobs: dict[str, Any]) -> Sampled:
-        names = sorted(rng.sample(sorted(FUNCS), 4))
+        names = sorted(rng.sample(sorted(FUNCS), max(4, knobs["horizon"] + 1)))
         bugs = set(rng.sample(names, knobs["horizon"]))
         by_mod: dict[str, list[str]] = {}
         for f in names:
@@ -201,7 +201,7 @@ class SlowStage(Family):
     tools = ("ls", "read", "replace", "write", "python")
     essential = ("read", "replace|write")
     forbidden = ("sim.py", "profile.log")
-    horizon = (1, 3)
+    horizon = (1, 4)
     MAX_WORKERS = 8
 
     def max_turns(self, knobs: dict[str, Any]) -> int:

@@ -22,7 +22,7 @@ class CalcChain(Family):
     name, domain, tiny = "calc-chain", "math", True
     tools = ("calc",)
     essential = ("calc",)
-    horizon = (1, 4)
+    horizon = (1, 16)
 
     def sample(self, rng: random.Random, knobs: dict[str, Any]) -> Sampled:
         start = rng.randint(11, 99)
@@ -60,7 +60,7 @@ class WordProblem(Family):
     name, domain, tiny = "word-problem", "math", False
     tools = ("calc",)
     essential = ("calc",)
-    horizon = (1, 4)
+    horizon = (1, 6)
 
     def max_turns(self, knobs: dict[str, Any]) -> int:
         return 3 * knobs["horizon"] + 8

@@ -10,7 +10,8 @@ from ..spec import Check, PublicTask, Verifier
 from .base import Family, Sampled
 
 WORDS = ["gem", "key", "map", "cup", "hat", "pen", "box", "owl", "fox", "jar", "kit", "log", "net", "orb", "rug",
-         "saw", "tin", "urn", "van", "wax"]
+         "saw", "tin", "urn", "van", "wax", "ant", "bee", "cod", "dye", "elk", "fig", "gnu", "hen", "ink", "jet",
+         "kiwi", "lamp", "mole", "nut", "oak", "pea", "quay", "ram", "sun", "toy"]
 
 
 class KVLookup(Family):
@@ -19,7 +20,7 @@ class KVLookup(Family):
     name, domain, tiny = "kv-lookup", "reasoning", True
     tools = ("read", "ls")
     essential = ("read",)
-    horizon = (1, 3)
+    horizon = (1, 8)
 
     def sample(self, rng: random.Random, knobs: dict[str, Any]) -> Sampled:
         hops = knobs["horizon"]

@@ -1,0 +1,97 @@
+"""Every family: the triad, every hack probe, determinism, and a verifier builder blind to the reference."""
+
+import inspect
+
+import pytest
+
+from envs import FAMILIES, Environment, PublicTask
+from envs.gate import PROBES, validate
+from envs.generator import generate, parse_pattern
+
+DOMAINS = {"code", "math", "reasoning"}
+
+
+def test_families_cover_every_domain_tiny_and_realistic():
+    assert len(FAMILIES) >= 6
+    for d in DOMAINS:
+        fams = [f for f in FAMILIES.values() if f.domain == d]
+        assert any(f.tiny for f in fams) and any(not f.tiny for f in fams), d
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_triad_and_every_probe(family, sandbox):
+    spec = FAMILIES[family].make(7)
+    rep = validate(spec, sandbox)
+    assert rep.accepted, rep.reasons
+    assert rep.legs["oracle"]["reward"] == 1.0
+    assert rep.legs["no-op"]["reward"] == 0.0
+    prefixes = [k for k in rep.legs if k.startswith("prefix:")]
+    assert len(prefixes) == len(spec.reference) - 1
+    assert all(rep.legs[k]["reward"] == 0.0 for k in prefixes)
+    assert rep.legs["corrupt-last"]["reward"] == 0.0
+    assert set(rep.probes) == set(PROBES)
+    applicable = [p for p, r in rep.probes.items() if r["applicable"]]
+    assert all(rep.probes[p]["reward"] == 0.0 for p in applicable)
+    if "python" in spec.tools:  # the containment probes really ran here, and came back in bounded time
+        for p in ("fork-bomb", "sleep-past-timeout", "flood-output", "network", "memory-hog"):
+            assert rep.probes[p]["applicable"] and rep.probes[p]["seconds"] < 10
+
+
+def test_horizons_are_long_tailed_and_reach_16_calls():
+    from collections import Counter
+
+    lengths = Counter(len(s.reference) for s in generate(None, 700, seed=1))
+    assert min(lengths) == 1 and max(lengths) >= 9
+    short = sum(v for k, v in lengths.items() if k <= 4)
+    long = sum(v for k, v in lengths.items() if k >= 8)
+    assert short > 4 * long > 0  # a long tail, not a uniform spread
+    longest = {name: len(f.make(0, {"horizon": f.horizon[1]}).reference) for name, f in FAMILIES.items()}
+    assert max(longest.values()) >= 16, longest
+    assert min(len(f.make(0, {"horizon": f.horizon[0]}).reference) for f in FAMILIES.values()) == 1
+
+
+def test_generation_is_deterministic_by_seed():
+    a = [s.spec_hash for s in generate(None, 21, seed=5)]
+    b = [s.spec_hash for s in generate(None, 21, seed=5)]
+    c = [s.spec_hash for s in generate(None, 21, seed=6)]
+    assert a == b and a != c
+    assert [s.family for s in generate(["kv-lookup", "fix-bug?horizon=2"], 4, 0)] == ["kv-lookup", "fix-bug"] * 2
+    assert all(s.knobs["horizon"] == 2 for s in generate(["fix-bug?horizon=2"], 3, 0))
+    with pytest.raises(KeyError, match="unknown task family"):
+        parse_pattern("nope")
+    with pytest.raises(ValueError, match="outside"):
+        generate(["kv-lookup?horizon=9"], 1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_verifier_builder_never_sees_the_reference(family):
+    fam = FAMILIES[family]
+    params = list(inspect.signature(fam.build_verifier).parameters)
+    assert params == ["task", "hidden"]
+    assert "reference" not in PublicTask.model_fields
+    spec = fam.make(3)
+    task, hidden = spec.public(), dict(spec.hidden)
+    assert not any(isinstance(v, str) and "<tool_call>" in v for v in hidden.values())
+    # the verifier depends on (task, hidden) only: rebuilding it gives the spec's verifier exactly
+    assert fam.build_verifier(task, hidden).hash() == spec.verifier_hash
+
+
+def test_malformed_actions_become_observations(sandbox):
+    spec = FAMILIES["set-const"].make(0)
+    with Environment(spec, sandbox) as env:
+        env.reset()
+        for bad in ["hello", "<tool_call>rm -rf /</tool_call>", "<tool_call>replace settings.py nope nope</tool_call>",
+                    "<tool_call>read ../../etc/shadow</tool_call>", "<tool_call>python\nprint(1)</tool_call>"]:
+            step = env.step(bad)
+            assert step.observation.startswith("error:"), step.observation
+        assert not env.done
+        r = env.verify()
+    assert r.reward == 0.0 and r.status == "ok"
+
+
+def test_max_turns_ends_the_episode(sandbox):
+    spec = FAMILIES["kv-lookup"].make(0)
+    with Environment(spec, sandbox) as env:
+        env.reset()
+        steps = [env.step("<tool_call>ls</tool_call>") for _ in range(spec.max_turns)]
+    assert steps[-1].done and not any(s.done for s in steps[:-1])
