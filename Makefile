@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean sandbox-deps
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,10 +14,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-run: $(STAMP)
+# Agent actions and generated verifiers run inside bubblewrap: install it (as root) or say how.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "bubblewrap is required: sudo apt-get install bubblewrap" >&2; exit 1; fi; }
+
+run: $(STAMP) sandbox-deps
 	$(BIN)/temper demo --preset tiny
 
-test: $(STAMP)
+test: $(STAMP) sandbox-deps
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
@@ -27,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/model_forward.py
 	$(BIN)/python bench/dsa_decode.py
 	$(BIN)/python bench/indexshare_prefill.py
+	$(BIN)/python bench/envs_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -128,7 +128,7 @@ class Environment:
         sb = self.sandbox
         if act.tool in ("ls", "read", "write", "replace", "calc"):
             req = json.dumps({"tool": act.tool, "args": act.args})
-            res = sb.run([sb.python(), "-I", f"{sb.tools_dir()}/runner.py"], self.workspace, stdin=req,
+            res = sb.run([sb.python(), "-I", "-S", f"{sb.tools_dir()}/runner.py"], self.workspace, stdin=req,
                          limits=self.limits)
             if res.timed_out:
                 return f"error: {act.tool} timed out", False

@@ -169,6 +169,12 @@ class GateReport:
         return self.__dict__.copy()
 
 
+def judge(spec: TaskSpec, sandbox: Sandbox, limits: Limits | None = None) -> tuple[bool, str]:
+    """Solvability judge: replay the reference solution through the real environment and sandbox."""
+    r, _, _ = run_script(spec, sandbox, spec.reference, limits)
+    return r.reward == 1.0, "; ".join(f"{c.name}: {c.detail}" for c in r.checks)
+
+
 def validate(spec: TaskSpec, sandbox: Sandbox, probes: bool = True, limits: Limits | None = None) -> GateReport:
     t0 = time.perf_counter()
     rep = GateReport(spec.id, spec.family, True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from abc import ABC, abstractmethod
 import os
 import resource
 import shutil
@@ -32,6 +31,7 @@ import sysconfig
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
