@@ -2,16 +2,15 @@
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers", minversion="5.2")
-from transformers import (  # noqa: E402
+import transformers  # dev dependency (>= 5.2): the reference implementation
+from transformers import (
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
 )
 
-from model import Transformer, load_checkpoint, save_checkpoint  # noqa: E402
+from model import Transformer, load_checkpoint, save_checkpoint
 
 transformers.logging.set_verbosity_error()
 
