@@ -1,0 +1,559 @@
+"""The embedded generation engine: continuous batching over a preallocated latent-cache pool.
+
+Every scheduler step admits waiting requests into free cache slots, runs one chunked-prefill forward
+for requests that still have prompt tokens to process and one decode forward for the rest (ragged
+batches through `model.run(..., cache=, slots=, n_new=)`), samples, and retires finished requests —
+so requests join and leave the running batch at every step.
+
+* Cache: `model.KVCache` slots (MLA latent + rotary key rows, indexer keys) plus, per slot, the list
+  of token ids whose rows are cached. A request with a `session_id` returns to its session's slot and
+  reuses the longest common prefix, so the turns of one episode do not recompute their prefix.
+* Sampling: temperature, top-p, top-k, min-p, per-request seed, stop strings and token ids, EOS,
+  min/max new tokens. Log-probs are log-softmax of the raw logits (see rollout/sampling.py).
+* Weights: `update_weights(path=… | state_dict=…)` runs between steps, bumps the policy version that is
+  stamped on every generated token; in-flight requests continue (with `flush_cache` their context is
+  re-prefilled under the new weights).
+* MTP speculative decoding (`spec_drafts=N`): the MTP layer drafts N tokens, one target forward
+  verifies them; greedy acceptance at temperature 0, rejection sampling above it (exact); returned
+  log-probs are the target model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta
+from model.tokenizer import ByteTokenizer, Tokenizer
+
+from .sampling import SamplingParams, filtered_logits, sample_row
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class GenRequest:
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_id: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    stream: bool = False
+    # runtime state
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish: dict | None = None
+    slot: int = -1
+    cached: int = 0  # leading tokens of context() whose cache rows are in the slot
+    reused: int = 0  # of those, how many came from the session's earlier turns
+    future: Future = field(default_factory=Future)
+    chunks: queue.Queue | None = None
+    gen: torch.Generator | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    spec_verify: int = 0
+    spec_accepted: int = 0
+
+    def context(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    spec_verifies: int = 0
+    spec_emitted: int = 0
+    weight_updates: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return self.spec_emitted / self.spec_verifies if self.spec_verifies else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None = None,
+        n_slots: int = 16,
+        max_len: int = 2048,
+        chunk_size: int = 256,
+        max_queue: int = 256,
+        spec_drafts: int = 0,
+        policy_version: int = 0,
+        start: bool = True,
+        name: str = "embedded",
+    ):
+        self.model = model.eval()
+        self.cfg = model.config
+        self.tok = tokenizer or ByteTokenizer()
+        self.n_slots, self.max_len, self.chunk_size, self.max_queue = n_slots, max_len, chunk_size, max_queue
+        if spec_drafts and not len(model.mtp_layers):
+            raise EngineError("spec_drafts needs a model with an MTP layer")
+        self.spec_drafts = spec_drafts
+        dt = model.embed_tokens.weight.dtype
+        self.cache = KVCache(self.cfg, n_slots, max_len, dtype=dt)
+        self.version = policy_version
+        self.name = name
+        self.waiting: list[GenRequest] = []
+        self.running: list[GenRequest] = []
+        self.free_slots = list(range(n_slots))
+        self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> idle slot, LRU order
+        self.busy_sessions: set[str] = set()
+        hdim = self.cfg.hidden_size
+        self._hidden: list[torch.Tensor] = [torch.zeros(0, hdim, dtype=dt) for _ in range(n_slots)]
+        self.stats = EngineStats()
+        self.paused = False
+        self._cmds: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._eos = getattr(self.tok, "eos_id", None)
+        if start:
+            self.start()
+
+    # ---- public API (thread-safe) ------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> GenRequest:
+        if not req.input_ids:
+            raise EngineError("input_ids is empty")
+        bad = [t for t in req.input_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(req.input_ids) + req.params.max_new_tokens > self.max_len:
+            raise EngineError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
+                f"context length {self.max_len}"
+            )
+        if req.params.sampling_seed is not None:
+            req.gen = torch.Generator().manual_seed(req.params.sampling_seed)
+        if req.stream:
+            req.chunks = queue.Queue()
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"queue full ({self.max_queue} waiting)")
+            self.waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def generate(self, input_ids: list[int], **kw) -> GenRequest:
+        """Submit and wait (blocking helper for tests and scripts)."""
+        req = self.submit(GenRequest(list(input_ids), **kw))
+        if self._thread is None:
+            while not req.future.done():
+                self.step()
+        req.future.result()
+        return req
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort one request (or all with rid=None); returns how many were aborted."""
+        return self._command("abort", rid)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        with self._cv:
+            self._cv.notify()
+
+    def flush_cache(self) -> None:
+        self._command("flush", None)
+
+    def update_weights(self, path: str | Path | None = None, state_dict: dict | None = None,
+                       version: int | None = None, flush_cache: bool = False, abort_all: bool = False) -> dict:
+        return self._command("update", (path, state_dict, version, flush_cache, abort_all))
+
+    def load(self) -> dict:
+        with self._cv:
+            return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self.free_slots),
+                    "version": self.version, "paused": self.paused}
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        with self._cv:
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        for r in self.waiting + self.running:
+            self._finish(r, {"type": "abort", "matched": None})
+
+    # ---- command plumbing: run on the engine thread between steps ----------------------------------
+    def _command(self, kind: str, arg):
+        fut: Future = Future()
+        if self._thread is None:
+            self._run_command(kind, arg, fut)
+        else:
+            self._cmds.put((kind, arg, fut))
+            with self._cv:
+                self._cv.notify()
+        return fut.result()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            self._run_command(kind, arg, fut)
+
+    def _run_command(self, kind, arg, fut: Future) -> None:
+        try:
+            if kind == "abort":
+                fut.set_result(self._abort(arg))
+            elif kind == "flush":
+                self._flush()
+                fut.set_result(None)
+            elif kind == "update":
+                fut.set_result(self._update(*arg))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+            fut.set_exception(e)
+
+    def _abort(self, rid: str | None) -> int:
+        with self._cv:
+            victims = [r for r in self.waiting + self.running if rid is None or r.rid == rid]
+            self.waiting = [r for r in self.waiting if r not in victims]
+        for r in victims:
+            if r in self.running:
+                self._retire(r)
+            self._finish(r, {"type": "abort", "matched": None})
+        return len(victims)
+
+    def _flush(self) -> None:
+        for s in list(self.sessions):
+            self._drop_session(s)
+        for r in self.running:  # recompute their context under the current weights
+            r.cached = 0
+            self.cache.truncate(torch.tensor([r.slot]), torch.tensor([0]))
+            self.slot_tokens[r.slot] = []
+
+    def _update(self, path, state_dict, version, flush_cache, abort_all) -> dict:
+        t0 = time.perf_counter()
+        if path is not None:
+            sd = load_checkpoint(path).state_dict()
+            if version is None:
+                version = read_checkpoint_meta(path).get("policy_version")
+        elif state_dict is not None:
+            sd = state_dict
+        else:
+            raise EngineError("update_weights needs a checkpoint path or a state dict")
+        own = self.model.state_dict()
+        missing = set(own) - set(sd)
+        if missing:
+            raise EngineError(f"weights do not match the model: missing {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for k, v in own.items():
+                if v.shape != sd[k].shape:
+                    raise EngineError(f"weights do not match the model: {k} {tuple(sd[k].shape)} vs {tuple(v.shape)}")
+            for k, v in own.items():
+                v.copy_(sd[k])
+        self.version = int(version) if version is not None else self.version + 1
+        self.stats.weight_updates += 1
+        paused = len(self.running) + len(self.waiting)
+        if abort_all:
+            self._abort(None)
+        elif flush_cache:
+            self._flush()
+        else:
+            for s in list(self.sessions):  # idle prefixes were computed by the old weights
+                self._drop_session(s)
+        return {"success": True, "message": f"weights updated to version {self.version}", "version": self.version,
+                "num_paused_requests": paused, "seconds": time.perf_counter() - t0}
+
+    # ---- scheduling ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            with self._cv:
+                idle = self.paused or not (self.waiting or self.running)
+                if idle:
+                    self._cv.wait(timeout=0.05)
+                    continue
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed")
+                for r in list(self.running):
+                    self._retire(r)
+                    self._finish(r, {"type": "abort", "matched": None, "error": f"{type(e).__name__}: {e}"})
+
+    def _drop_session(self, sid: str) -> None:
+        slot = self.sessions.pop(sid, None)
+        if slot is not None:
+            self.slot_tokens[slot] = []
+            self.cache.reset([slot])
+            self.free_slots.append(slot)
+
+    def _admit(self) -> None:
+        with self._cv:
+            pending = list(self.waiting)
+        admitted = []
+        for r in pending:
+            if r.session_id is not None and r.session_id in self.busy_sessions:
+                continue  # one request per session at a time keeps its prefix cache coherent
+            slot = None
+            if r.session_id is not None and r.session_id in self.sessions:
+                slot = self.sessions.pop(r.session_id)
+            elif self.free_slots:
+                slot = self.free_slots.pop(0)
+            elif self.sessions:
+                self._drop_session(next(iter(self.sessions)))  # evict the least recently used session
+                slot = self.free_slots.pop(0)
+            if slot is None:
+                break
+            r.slot = slot
+            common = 0
+            old = self.slot_tokens[slot]
+            lim = min(len(old), len(r.input_ids) - 1)
+            while common < lim and old[common] == r.input_ids[common]:
+                common += 1
+            self.cache.truncate(torch.tensor([slot]), torch.tensor([common]))
+            self.slot_tokens[slot] = old[:common]
+            self._hidden[slot] = self._hidden[slot][:common]
+            r.cached = r.reused = common
+            self.stats.reused_tokens += common
+            self.stats.prompt_tokens += len(r.input_ids)
+            if r.session_id is not None:
+                self.busy_sessions.add(r.session_id)
+            admitted.append(r)
+        if admitted:
+            with self._cv:
+                self.waiting = [r for r in self.waiting if r not in admitted]
+            self.running.extend(admitted)
+
+    def step(self) -> None:
+        """One scheduler iteration: admit, prefill chunks, decode (or speculate), retire."""
+        self._drain_commands()
+        if self.paused:
+            return
+        self._admit()
+        if not self.running:
+            return
+        self.stats.steps += 1
+        prefill = [r for r in self.running if len(r.context()) - r.cached > 1 or not r.output_ids]
+        decode = [r for r in self.running if r not in prefill]
+        if prefill:
+            self._forward(prefill, chunked=True)
+        if decode:
+            if self.spec_drafts:
+                self._speculate(decode)
+            else:
+                self._forward(decode, chunked=False)
+
+    @torch.no_grad()
+    def _forward(self, reqs: list[GenRequest], chunked: bool) -> None:
+        budget = self.chunk_size
+        rows, n_new = [], []
+        for r in reqs:
+            ctx = r.context()
+            n = len(ctx) - r.cached
+            if chunked:
+                n = min(n, max(1, budget))
+                budget -= n
+            rows.append(ctx[r.cached : r.cached + n])
+            n_new.append(n)
+            if chunked and budget <= 0:
+                break
+        reqs = reqs[: len(rows)]
+        width = max(n_new)
+        ids = torch.full((len(rows), width), 0, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        slots = torch.tensor([r.slot for r in reqs])
+        out = self.model.run(ids, cache=self.cache, slots=slots, n_new=torch.tensor(n_new))
+        logp = None
+        for i, r in enumerate(reqs):
+            n = n_new[i]
+            start = r.cached
+            if r.return_logprob and start < len(r.input_ids):
+                logp = out.logits[i, :n].float().log_softmax(-1)
+                self._input_logprobs(r, logp, start, n)
+            self.slot_tokens[r.slot].extend(rows[i])
+            if self.spec_drafts:
+                self._hidden[r.slot] = torch.cat([self._hidden[r.slot][: r.cached], out.hidden[i, :n]], 0)
+            r.cached += n
+            if r.cached == len(r.context()):
+                self._emit(r, out.logits[i, n - 1])
+
+    def _input_logprobs(self, r: GenRequest, logp: torch.Tensor, start: int, n: int) -> None:
+        """Log-prob of each prompt token given the tokens before it (the first prompt token has none)."""
+        if start == 0:
+            r.input_logprobs.append(None)
+        ids = r.input_ids
+        for j in range(n):
+            p = start + j + 1  # the token predicted at position start + j
+            if p < len(ids):
+                r.input_logprobs.append(float(logp[j, ids[p]]))
+
+    # ---- token emission and stopping ---------------------------------------------------------------
+    def _emit(self, r: GenRequest, logits: torch.Tensor) -> None:
+        p = r.params
+        if p.max_new_tokens == 0:
+            self._retire(r)
+            self._finish(r, {"type": "length", "length": 0})
+            return
+        if len(r.output_ids) < p.min_new_tokens:
+            logits = logits.clone()
+            for t in self._stop_ids(r):
+                logits[t] = float("-inf")
+        tok = sample_row(logits, p, r.gen)
+        self._append(r, tok, float(logits.float().log_softmax(-1)[tok]))
+
+    def _stop_ids(self, r: GenRequest) -> set[int]:
+        s = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos and self._eos is not None:
+            s.add(self._eos)
+        return s
+
+    def _append(self, r: GenRequest, tok: int, logprob: float) -> bool:
+        """Record one generated token; returns True when the request finished."""
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        r.output_ids.append(tok)
+        r.output_logprobs.append(logprob)
+        r.output_versions.append(self.version)
+        self.stats.generated_tokens += 1
+        if r.chunks is not None:
+            r.chunks.put(("token", tok, logprob))
+        p = r.params
+        fin = None
+        if len(r.output_ids) > p.min_new_tokens - 1 and tok in self._stop_ids(r):
+            fin = {"type": "stop", "matched": tok}
+        elif p.stop and len(r.output_ids) >= p.min_new_tokens:
+            tail = self.tok.decode(r.output_ids[-64:])
+            for s in p.stop:
+                if s and s in tail:
+                    fin = {"type": "stop", "matched": s}
+                    break
+        if fin is None and len(r.output_ids) >= p.max_new_tokens:
+            fin = {"type": "length", "length": len(r.output_ids)}
+        if fin is None and len(r.context()) >= self.max_len:
+            fin = {"type": "length", "length": len(r.output_ids)}
+        if fin is not None:
+            self._retire(r)
+            self._finish(r, fin)
+            return True
+        return False
+
+    def _retire(self, r: GenRequest) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r.slot < 0:
+            return
+        if r.session_id is not None:
+            self.busy_sessions.discard(r.session_id)
+            self.sessions[r.session_id] = r.slot  # keep the prefix for the episode's next turn
+            self.sessions.move_to_end(r.session_id)
+        else:
+            self.slot_tokens[r.slot] = []
+            self.cache.reset([r.slot])
+            self.free_slots.append(r.slot)
+        r.slot = -1
+
+    def _finish(self, r: GenRequest, fin: dict) -> None:
+        if r.finish is not None:
+            return
+        r.finish = fin
+        if r.chunks is not None:
+            r.chunks.put(("finish", fin, None))
+        if not r.future.done():
+            r.future.set_result(r)
+
+    # ---- MTP speculative decoding ------------------------------------------------------------------
+    # Invariant per slot: `_hidden[slot]` holds the main model's last-layer hidden state for every cached
+    # position (aligned with slot_tokens); the MTP cache covers a prefix of the pairs (h_j, token_{j+1}).
+    @torch.no_grad()
+    def _speculate(self, reqs: list[GenRequest]) -> None:
+        for r in reqs:  # each request's MTP cache follows its own accepted prefix
+            self._speculate_one(r)
+
+    def _speculate_one(self, r: GenRequest) -> None:
+        p = r.params
+        k = min(self.spec_drafts, p.max_new_tokens - len(r.output_ids) - 1, self.max_len - len(r.context()) - 1)
+        if k <= 0:
+            self._forward([r], chunked=False)
+            return
+        slot = torch.tensor([r.slot])
+        ctx = r.context()
+        n = len(ctx) - 1  # newest confirmed token c_n is not yet in the main cache
+        hid = self._hidden[r.slot]
+        m = min(int(self.cache.mtp_lengths[r.slot]), n - 1)
+        self.cache.mtp_lengths[r.slot] = m
+        # draft 1: MTP over positions m..n-1, pairing h_j with c_{j+1}
+        lg, g = self.model.mtp(hid[m:n].unsqueeze(0), torch.tensor([ctx[m + 1 : n + 1]]), 0, cache=self.cache, slots=slot)
+        logits, g = lg[0, -1], g[0, -1]
+        drafts, qdist = [], []
+        for step in range(k):
+            if p.greedy:
+                d, q = int(logits.argmax()), None
+            else:
+                q = filtered_logits(logits, p).softmax(-1)
+                d = int(torch.multinomial(q, 1, generator=r.gen))
+            drafts.append(d)
+            qdist.append(q)
+            if step + 1 < k:  # chain: the MTP layer consumes its own previous hidden state
+                lg, gg = self.model.mtp(g.view(1, 1, -1), torch.tensor([[d]]), step + 1, cache=self.cache, slots=slot)
+                logits, g = lg[0, 0], gg[0, 0]
+        # verify [c_n, d_1..d_k] in one target forward
+        out = self.model.run(torch.tensor([[ctx[n]] + drafts]), cache=self.cache, slots=slot)
+        tl = out.logits[0].float()
+        accepted, bonus = 0, None
+        for i, d in enumerate(drafts):
+            if p.greedy:
+                if int(tl[i].argmax()) == d:
+                    accepted += 1
+                    continue
+                bonus = int(tl[i].argmax())
+                break
+            pt = filtered_logits(tl[i], p).softmax(-1)
+            if float(torch.rand((), generator=r.gen)) < min(1.0, float(pt[d] / qdist[i][d])):
+                accepted += 1
+                continue
+            resid = torch.clamp(pt - qdist[i], min=0)
+            bonus = int(torch.multinomial(resid / resid.sum(), 1, generator=r.gen))
+            break
+        if bonus is None:
+            bonus = sample_row(tl[k], p, r.gen)
+        keep = n + 1 + accepted  # c_n and the accepted drafts stay in the main cache
+        self.cache.truncate(slot, torch.tensor([keep]))
+        self.cache.mtp_lengths[r.slot] = n  # chained-draft rows beyond n-1 used MTP hiddens: recompute later
+        self.slot_tokens[r.slot] = self.slot_tokens[r.slot][:n] + [ctx[n]] + drafts[:accepted]
+        self._hidden[r.slot] = torch.cat([hid[:n], out.hidden[0, : accepted + 1]], 0)
+        r.cached = keep
+        logps = tl.log_softmax(-1)
+        self.stats.spec_verifies += 1
+        r.spec_verify += 1
+        r.spec_accepted += accepted
+        for i, tok in enumerate(drafts[:accepted] + [bonus]):
+            self.stats.spec_emitted += 1
+            if self._append(r, tok, float(logps[i, tok])):
+                break

@@ -1,0 +1,63 @@
+"""Sampling parameters (SGLang's `sampling_params` subset) and the row-wise sampler.
+
+Log-probs returned by the engine are log-softmax of the model's *raw* logits — temperature 1, before
+top-k / top-p / min-p truncation — i.e. log π(token | context) of the policy itself, the quantity the
+trainer recomputes for its importance ratio. They do not depend on the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to one row of logits (fp32)."""
+    x = logits.float() / max(p.temperature, 1e-6)
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = x.topk(p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = x.sort(descending=True)
+        probs = sorted_x.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.greedy:
+        return int(logits.argmax())
+    probs = filtered_logits(logits, p).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
