@@ -199,6 +199,14 @@ def cmd_envs_show(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from rollout.server import serve
+
+    serve(args.checkpoint, host=args.host, port=args.port, n_slots=args.slots, max_len=args.max_len,
+          spec_drafts=args.spec_drafts)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="temper", description="RL post-training of GLM-5-architecture models")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -234,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("id")
     s.add_argument("--reveal", action="store_true", help="include hidden state, reference and verifier")
     s.set_defaults(fn=cmd_envs_show)
+    sv = sub.add_parser("serve", help="serve a checkpoint with the embedded engine (SGLang-compatible API)")
+    sv.add_argument("--checkpoint", required=True)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=30000)
+    sv.add_argument("--slots", type=int, default=16, help="concurrent sequences (cache slots)")
+    sv.add_argument("--max-len", type=int, default=2048, help="context length per slot")
+    sv.add_argument("--spec-drafts", type=int, default=0, help="MTP draft tokens per verify (0: off)")
+    sv.set_defaults(fn=cmd_serve)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -1,0 +1,447 @@
+"""HTTP server for the embedded engine: SGLang's native API subset plus OpenAI completions.
+
+Native: POST /generate, /update_weights_from_disk, /update_weights_from_tensor, /update_weight_version,
+/pause_generation, /continue_generation, /flush_cache, /abort_request; GET /health, /health_generate,
+/model_info, /get_model_info, /server_info, /get_server_info, /v1/models.
+OpenAI: POST /v1/completions, /v1/chat/completions (plain and `stream: true` server-sent events).
+
+Requests are validated strictly: unknown fields, wrong types, negative limits and over-long prompts get
+400 with the reason; a full queue gets 503; anything else that goes wrong inside a request gets 500 and
+the server goes on.
+
+    temper serve --checkpoint DIR --port 30000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from model.tokenizer import ChatTemplate
+
+from .engine import Engine, EngineError, GenRequest, QueueFull
+from .sampling import SamplingParams
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=0)
+    stream: bool = False
+    rid: str | list[str] | None = None
+    session_id: str | None = None
+    routing_key: str | None = None
+
+
+class UpdateFromDisk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str
+    weight_version: str | int | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = False
+    load_format: str | None = None
+
+
+class UpdateFromTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    serialized_named_tensors: str  # base64 of a safetensors blob
+    weight_version: str | int | None = None
+    flush_cache: bool = False
+    abort_all_requests: bool = False
+
+
+class CompletionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = Field(default=16, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    session_id: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str
+
+
+class ChatBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    logprobs: bool = False
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    session_id: str | None = None
+
+
+def _reason(err: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if x != "body")
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unknown field `{loc}`")
+        else:
+            parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return "; ".join(parts)
+
+
+def bad(msg: str, code: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "code": code}}, status_code=code)
+
+
+def create_app(engine: Engine, model_path: str = "", served_name: str = "temper") -> FastAPI:
+    app = FastAPI(title="temper engine", docs_url=None, redoc_url=None)
+    tpl = ChatTemplate(engine.tok)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return bad(_reason(exc))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception):
+        return bad(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    def params(d: dict[str, Any]) -> SamplingParams:
+        try:
+            return SamplingParams(**d)
+        except ValidationError as e:
+            raise EngineError(
+                _reason(e).replace("unknown field `", "unknown field `sampling_params.")
+                + f" (expected one of {', '.join(SamplingParams.model_fields)})"
+            ) from None
+
+    async def run(req: GenRequest) -> GenRequest:
+        engine.submit(req)
+        return await asyncio.wrap_future(req.future)
+
+    def meta(r: GenRequest) -> dict:
+        m = {"id": r.rid, "prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
+             "cached_tokens": r.reused, "finish_reason": r.finish, "weight_version": str(engine.version),
+             "e2e_latency": time.perf_counter() - r.t_arrival}
+        if r.spec_verify:
+            m["spec_verify_ct"] = r.spec_verify
+            m["spec_accept_length"] = len(r.output_ids) / r.spec_verify
+        if r.return_logprob:
+            dec = engine.tok.decode
+            m["output_token_logprobs"] = [[lp, t, dec([t])] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            m["output_token_versions"] = r.output_versions
+            start = max(r.logprob_start_len, 0)
+            m["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                         zip(r.input_logprobs[start:], r.input_ids[start:])]
+        return m
+
+    def text_of(r: GenRequest) -> str:
+        text = engine.tok.decode(r.output_ids, skip_special=r.params.skip_special_tokens)
+        m = (r.finish or {}).get("matched")
+        if isinstance(m, str) and m in text:
+            text = text[: text.index(m)]
+        return text
+
+    # ---- native ----------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(body: GenerateBody):
+        try:
+            if (body.text is None) == (body.input_ids is None):
+                return bad("give exactly one of `text` or `input_ids`")
+            batch = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
+            prompts = ([engine.tok.encode(t) for t in body.text] if isinstance(body.text, list) else
+                       [engine.tok.encode(body.text)] if body.text is not None else
+                       body.input_ids if batch else [body.input_ids])
+            if batch and body.stream:
+                return bad("stream is not supported for batch requests")
+            rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+            if len(rids) != len(prompts):
+                return bad("rid list and prompt list differ in length")
+            sp = params(body.sampling_params)
+            reqs = [GenRequest(list(p), sp.model_copy(), rid=rid or uuid.uuid4().hex, session_id=body.session_id,
+                               return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+                               stream=body.stream) for p, rid in zip(prompts, rids)]
+            if body.stream:
+                return StreamingResponse(stream_native(reqs[0]), media_type="text/event-stream")
+            for r in reqs:
+                engine.submit(r)
+        except QueueFull as e:
+            return bad(str(e), 503)
+        except EngineError as e:
+            return bad(str(e))
+        done = [await asyncio.wrap_future(r.future) for r in reqs]
+        out = [{"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in done]
+        return out if batch else out[0]
+
+    async def stream_native(r: GenRequest):
+        try:
+            engine.submit(r)
+        except (QueueFull, EngineError) as e:
+            yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
+            return
+        while True:
+            kind, *_ = await asyncio.to_thread(r.chunks.get)
+            payload = {"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)}
+            yield f"data: {json.dumps(payload)}\n\n"
+            if kind == "finish":
+                break
+        yield "data: [DONE]\n\n"
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(body: UpdateFromDisk):
+        try:
+            v = int(body.weight_version) if body.weight_version is not None else None
+            res = await asyncio.to_thread(engine.update_weights, path=body.model_path, version=v,
+                                          flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
+        except (EngineError, FileNotFoundError, ValueError, KeyError) as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+        return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"]}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(body: UpdateFromTensor):
+        from safetensors.torch import load as st_load
+
+        try:
+            sd = st_load(base64.b64decode(body.serialized_named_tensors))
+            v = int(body.weight_version) if body.weight_version is not None else None
+            res = await asyncio.to_thread(engine.update_weights, state_dict=sd, version=v,
+                                          flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
+        except Exception as e:  # noqa: BLE001 - bad payloads are the caller's error
+            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"}, status_code=400)
+        return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"]}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await request.json()
+        if not isinstance(body, dict) or "new_version" not in body:
+            return bad("expected {\"new_version\": ...}")
+        try:
+            engine.version = int(body["new_version"])
+        except (TypeError, ValueError):
+            return bad("new_version must be an integer")
+        return {"success": True, "message": f"weight version {engine.version}"}
+
+    @app.post("/pause_generation")
+    async def pause():
+        engine.pause()
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    async def resume():
+        engine.resume()
+        return {"success": True}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush():
+        await asyncio.to_thread(engine.flush_cache)
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/abort_request")
+    async def abort(request: Request):
+        body = await request.json()
+        if not isinstance(body, dict):
+            return bad("expected a JSON object")
+        unknown = set(body) - {"rid", "abort_all"}
+        if unknown:
+            return bad(f"unknown field `{sorted(unknown)[0]}`, expected one of rid, abort_all")
+        n = await asyncio.to_thread(engine.abort, None if body.get("abort_all") else body.get("rid"))
+        return {"success": True, "aborted": n}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        r = await run(GenRequest([engine.tok.eos_id], SamplingParams(max_new_tokens=1)))
+        return {"status": "ok", "tokens": len(r.output_ids)}
+
+    def model_info():
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                "served_model_name": served_name, "weight_version": str(engine.version),
+                "model_type": engine.cfg.model_type}
+
+    def server_info():
+        return {"engine": "temper-embedded", "max_total_num_tokens": engine.n_slots * engine.max_len,
+                "context_length": engine.max_len, "max_running_requests": engine.n_slots,
+                "chunked_prefill_size": engine.chunk_size, "speculative_num_draft_tokens": engine.spec_drafts,
+                "weight_version": str(engine.version), "load": engine.load(),
+                "stats": {**engine.stats.__dict__, "accept_length": engine.stats.accept_length}}
+
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path)(server_info)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "temper"}]}
+
+    # ---- OpenAI ------------------------------------------------------------------------------------
+    def finish_reason(r: GenRequest) -> str:
+        return "length" if (r.finish or {}).get("type") == "length" else "stop"
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        ids = engine.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        sp = SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, stop=stop, sampling_seed=body.seed)
+        req = GenRequest(ids, sp, session_id=body.session_id, return_logprob=bool(body.logprobs), stream=body.stream)
+        cid = f"cmpl-{req.rid}"
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            return bad(str(e), 503)
+        except EngineError as e:
+            return bad(str(e))
+        if body.stream:
+            return StreamingResponse(stream_openai(req, cid, "text_completion", chat=False),
+                                     media_type="text/event-stream")
+        r = await asyncio.wrap_future(req.future)
+        choice = {"index": 0, "text": text_of(r), "finish_reason": finish_reason(r), "logprobs": None}
+        if body.logprobs:
+            choice["logprobs"] = {"tokens": [engine.tok.decode([t]) for t in r.output_ids],
+                                  "token_logprobs": r.output_logprobs}
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": served_name,
+                "choices": [choice], "usage": usage(r)}
+
+    def usage(r: GenRequest) -> dict:
+        return {"prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
+                "total_tokens": len(r.input_ids) + len(r.output_ids)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody):
+        try:
+            ids = tpl.render([m.model_dump() for m in body.messages], add_generation_prompt=True).ids
+        except ValueError as e:
+            return bad(str(e))
+        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        mx = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        sp = SamplingParams(max_new_tokens=128 if mx is None else mx, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, stop=stop, stop_token_ids=tpl.stop_ids, sampling_seed=body.seed)
+        req = GenRequest(ids, sp, session_id=body.session_id, return_logprob=body.logprobs, stream=body.stream)
+        cid = f"chatcmpl-{req.rid}"
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            return bad(str(e), 503)
+        except EngineError as e:
+            return bad(str(e))
+        if body.stream:
+            return StreamingResponse(stream_openai(req, cid, "chat.completion.chunk", chat=True),
+                                     media_type="text/event-stream")
+        r = await asyncio.wrap_future(req.future)
+        msg = {"role": "assistant", "content": text_of(r)}
+        choice = {"index": 0, "message": msg, "finish_reason": finish_reason(r)}
+        if body.logprobs:
+            choice["logprobs"] = {"content": [{"token": engine.tok.decode([t]), "logprob": lp}
+                                              for t, lp in zip(r.output_ids, r.output_logprobs)]}
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": served_name,
+                "choices": [choice], "usage": usage(r)}
+
+    async def stream_openai(r: GenRequest, cid: str, obj: str, chat: bool):
+        sent = ""
+        first = True
+        while True:
+            kind, *_ = await asyncio.to_thread(r.chunks.get)
+            text = text_of(r)
+            delta, sent = text[len(sent):], text
+            fin = finish_reason(r) if kind == "finish" else None
+            if chat:
+                d = {"content": delta}
+                if first:
+                    d["role"] = "assistant"
+                choice = {"index": 0, "delta": d, "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": fin}
+            first = False
+            yield f"data: {json.dumps({'id': cid, 'object': obj, 'model': served_name, 'choices': [choice]})}\n\n"
+            if kind == "finish":
+                break
+        yield "data: [DONE]\n\n"
+
+    app.state.engine = engine
+    return app
+
+
+def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, n_slots: int = 16, max_len: int = 2048,
+          spec_drafts: int = 0, max_queue: int = 256) -> None:
+    import uvicorn
+
+    from model import load_checkpoint, read_checkpoint_meta
+
+    model = load_checkpoint(checkpoint)
+    engine = Engine(model, n_slots=n_slots, max_len=max_len, spec_drafts=spec_drafts, max_queue=max_queue,
+                    policy_version=int(read_checkpoint_meta(checkpoint).get("policy_version", 0)))
+    uvicorn.run(create_app(engine, model_path=checkpoint), host=host, port=port, log_level="warning")
+
+
+class ServerThread:
+    """Run an app with uvicorn on 127.0.0.1 in a background thread (port 0 picks a free one).
+
+        with ServerThread(create_app(engine)) as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import threading
+
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(self.config)
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = ""
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
