@@ -1,0 +1,189 @@
+"""The agent loop: one episode of a policy acting in an environment, token-in / token-out.
+
+Per turn: generate an action (stop at <|end|>), parse it, step the environment in the sandbox, append
+the observation as loss-masked tokens, until the environment is done, the turn budget or the token
+budget runs out. Compaction: when less than `compact_margin` tokens of context remain, the policy writes
+a summary from a summary prompt; the next segment is rebuilt as system + goal + summary + the last two
+action/observation pairs (their exact tokens), at most `max_compactions` times. All segments are kept
+under one trajectory id with their turn boundaries. A crashing environment marks the trajectory
+`crashed` and the caller's other episodes go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs import Environment, TaskSpec
+from envs.sandbox import Sandbox
+from model.tokenizer import ChatTemplate, Tokenizer
+
+from .types import Segment, Trajectory
+
+SYSTEM_PROMPT = (
+    "You act through tools. Reply with exactly one tool call per turn, e.g. <tool_call>read notes.txt</tool_call>. "
+    "Finish with <tool_call>submit ANSWER</tool_call> or <tool_call>done</tool_call>."
+)
+SUMMARY_PROMPT = ("Context is running out. Summarise what you have learned and what remains to do, briefly; "
+                  "the next context will hold only the goal, this summary and the last two steps.")
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_context: int = Field(default=2048, gt=64)  # tokens per segment
+    max_action_tokens: int = Field(default=96, gt=0)
+    max_total_tokens: int = Field(default=8192, gt=0)  # generated tokens over the whole episode
+    compact_margin: int = Field(default=256, ge=0)  # compact when fewer tokens than this remain
+    max_compactions: int = Field(default=3, ge=0)
+    summary_tokens: int = Field(default=96, gt=0)
+    max_obs_tokens: int = Field(default=512, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    system_prompt: str = SYSTEM_PROMPT
+
+
+class Policy(Protocol):
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None, **kw) -> dict: ...
+
+
+@dataclass
+class _Seg:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    start_turn: int = 0
+    summary: bool = False
+
+    def add(self, ids: list[int], train: bool = False, logprobs: list[float] | None = None,
+            versions: list[int] | None = None) -> None:
+        self.tokens += ids
+        self.mask += [train] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
+
+    def freeze(self, end_turn: int) -> Segment:
+        return Segment(self.tokens, self.mask, self.logprobs, self.versions, self.start_turn, end_turn, self.summary)
+
+
+class Agent:
+    def __init__(self, policy: Policy, tokenizer: Tokenizer, sandbox: Sandbox, cfg: AgentConfig | None = None,
+                 engine_name: str = "embedded"):
+        self.policy, self.tok, self.sandbox = policy, tokenizer, sandbox
+        self.cfg = cfg or AgentConfig()
+        self.tpl = ChatTemplate(tokenizer)
+        self.engine_name = engine_name
+
+    def _msg(self, role: str, text: str) -> list[int]:
+        return self.tpl.render([{"role": role, "content": text}]).ids
+
+    def _obs_ids(self, text: str) -> list[int]:
+        body = self.tok.encode(text)[: self.cfg.max_obs_tokens]
+        return [self.tpl.role_ids["observation"], *body, self.tpl.end_id, self.tpl.role_ids["assistant"]]
+
+    async def _gen(self, seg: _Seg, max_new: int, sid: str) -> tuple[list[int], list[float], list[int], str]:
+        sp = {"max_new_tokens": max_new, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p,
+              "stop_token_ids": self.tpl.stop_ids}
+        if self.cfg.seed is not None:
+            sp["sampling_seed"] = self.cfg.seed + len(seg.tokens)
+        out = await self.policy.generate(seg.tokens, sp, return_logprob=True, session_id=sid)
+        ids = list(out["output_ids"])
+        meta = out.get("meta_info", {})
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])] or [0.0] * len(ids)
+        vers = meta.get("output_token_versions") or [int(meta.get("weight_version", 0) or 0)] * len(ids)
+        return ids, lps, [int(v) for v in vers], meta.get("worker", self.engine_name)
+
+    async def run(self, spec: TaskSpec, iteration: int = 0, trajectory_id: str | None = None) -> Trajectory:
+        cfg, t0 = self.cfg, time.perf_counter()
+        tid = trajectory_id or f"{spec.id}-{uuid.uuid4().hex[:10]}"
+        timings = {"generate": 0.0, "env": 0.0, "verify": 0.0}
+        segments: list[Segment] = []
+        status, error, reward, details, engine = "truncated", None, 0.0, {}, self.engine_name
+        env = Environment(spec, self.sandbox)
+        try:
+            goal = await asyncio.to_thread(env.reset)
+            head = self._msg("system", cfg.system_prompt) + self._msg("user", goal)
+            seg = _Seg()
+            seg.add(head + [self.tpl.role_ids["assistant"]])
+            pairs: list[tuple[list[int], list[float], list[int], list[int]]] = []  # (action, lps, vers, obs)
+            generated, compactions, turn = 0, 0, 0
+            while not env.done and turn < spec.max_turns and generated < cfg.max_total_tokens:
+                room = cfg.max_context - len(seg.tokens)
+                if room < cfg.compact_margin + cfg.max_action_tokens and compactions < cfg.max_compactions:
+                    seg.add(self._msg("user", SUMMARY_PROMPT) + [self.tpl.role_ids["assistant"]])
+                    g0 = time.perf_counter()
+                    ids, lps, vers, engine = await self._gen(seg, cfg.summary_tokens, tid)
+                    timings["generate"] += time.perf_counter() - g0
+                    generated += len(ids)
+                    seg.add(ids, True, lps, vers)
+                    segments.append(seg.freeze(turn))
+                    summary = [t for t in ids if t not in self.tpl.stop_ids]
+                    seg = _Seg(start_turn=turn, summary=True)
+                    seg.add(head)
+                    seg.add([self.tpl.role_ids["user"], *self.tok.encode("Summary of earlier work: "), *summary,
+                             self.tpl.end_id])
+                    seg.add([self.tpl.role_ids["assistant"]])
+                    for act, _lp, _v, obs in pairs[-2:]:  # the last two pairs, whole, as context
+                        seg.add(act + obs)
+                    compactions += 1
+                    continue
+                if room <= 8:
+                    break  # out of context and out of compactions
+                g0 = time.perf_counter()
+                ids, lps, vers, engine = await self._gen(seg, min(cfg.max_action_tokens, room - 4), tid)
+                timings["generate"] += time.perf_counter() - g0
+                generated += len(ids)
+                seg.add(ids, True, lps, vers)
+                if not ids or ids[-1] not in self.tpl.stop_ids:
+                    seg.add([self.tpl.end_id])  # close a cut-off turn (not trained: the policy did not emit it)
+                    ids = ids + [self.tpl.end_id]
+                text = self.tok.decode([t for t in ids if t not in self.tpl.stop_ids])
+                e0 = time.perf_counter()
+                step = await asyncio.to_thread(env.step, text)
+                timings["env"] += time.perf_counter() - e0
+                turn += 1
+                if env.done:
+                    break
+                obs = self._obs_ids(step.observation)
+                seg.add(obs)
+                pairs.append((ids, lps, vers, obs))
+            status = "completed" if env.done and env.log and env.log[-1].tool in ("submit", "done") else "truncated"
+            segments.append(seg.freeze(turn))
+            v0 = time.perf_counter()
+            r = await asyncio.to_thread(env.verify)
+            timings["verify"] = time.perf_counter() - v0
+            reward, details = r.reward, r.to_dict()
+            if r.status == "crashed":
+                status, error = "crashed", "verifier crashed"
+        except Exception as e:  # noqa: BLE001 - a broken environment or engine marks this episode only
+            status, error = ("aborted" if "Unavailable" in type(e).__name__ else "crashed"), f"{type(e).__name__}: {e}"
+            reward = 0.0
+            if not segments:
+                segments = [Segment([], [], [], [])]
+        finally:
+            await asyncio.to_thread(env.close)
+        timings["total"] = time.perf_counter() - t0
+        return Trajectory(tid, spec.id, spec.family, spec.domain, spec.spec_hash, spec.verifier_hash, iteration,
+                          segments, reward, status, details, engine, timings, time.time(), error)
+
+
+async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, concurrency: int = 8,
+                       on_done=None) -> list[Trajectory]:
+    """Run many episodes concurrently (bounded); each finished trajectory is handed to `on_done` at once."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(spec: TaskSpec) -> Trajectory:
+        async with sem:
+            t = await agent.run(spec, iteration)
+        if on_done is not None:
+            on_done(t)
+        return t
+
+    return list(await asyncio.gather(*(one(s) for s in specs)))
