@@ -29,8 +29,7 @@ SYSTEM_PROMPT = (
     "You act through tools. Reply with exactly one tool call per turn, e.g. <tool_call>read notes.txt</tool_call>. "
     "Finish with <tool_call>submit ANSWER</tool_call> or <tool_call>done</tool_call>."
 )
-SUMMARY_PROMPT = ("Context is running out. Summarise what you have learned and what remains to do, briefly; "
-                  "the next context will hold only the goal, this summary and the last two steps.")
+SUMMARY_PROMPT = "Context is nearly full. Briefly summarise what you found and what remains to do."
 
 
 class AgentConfig(BaseModel):
@@ -84,8 +83,8 @@ class Agent:
     def _msg(self, role: str, text: str) -> list[int]:
         return self.tpl.render([{"role": role, "content": text}]).ids
 
-    def _obs_ids(self, text: str) -> list[int]:
-        body = self.tok.encode(text)[: self.cfg.max_obs_tokens]
+    def _obs_ids(self, text: str, room: int) -> list[int]:
+        body = self.tok.encode(text)[: max(0, min(self.cfg.max_obs_tokens, room - 3))]
         return [self.tpl.role_ids["observation"], *body, self.tpl.end_id, self.tpl.role_ids["assistant"]]
 
     async def _gen(self, seg: _Seg, max_new: int, sid: str) -> tuple[list[int], list[float], list[int], str]:
@@ -114,10 +113,13 @@ class Agent:
             seg.add(head + [self.tpl.role_ids["assistant"]])
             pairs: list[tuple[list[int], list[float], list[int], list[int]]] = []  # (action, lps, vers, obs)
             generated, compactions, turn = 0, 0, 0
+            ask = self._msg("user", SUMMARY_PROMPT) + [self.tpl.role_ids["assistant"]]
+            summary_cost = len(ask) + cfg.summary_tokens + 1  # what writing a summary needs
             while not env.done and turn < spec.max_turns and generated < cfg.max_total_tokens:
                 room = cfg.max_context - len(seg.tokens)
-                if room < cfg.compact_margin + cfg.max_action_tokens and compactions < cfg.max_compactions:
-                    seg.add(self._msg("user", SUMMARY_PROMPT) + [self.tpl.role_ids["assistant"]])
+                reserve = summary_cost if compactions < cfg.max_compactions else 0
+                if room < max(cfg.compact_margin, reserve) + cfg.max_action_tokens and reserve:
+                    seg.add(ask)
                     g0 = time.perf_counter()
                     ids, lps, vers, engine = await self._gen(seg, cfg.summary_tokens, tid)
                     timings["generate"] += time.perf_counter() - g0
@@ -134,10 +136,10 @@ class Agent:
                         seg.add(act + obs)
                     compactions += 1
                     continue
-                if room <= 8:
+                if room - reserve <= 8:
                     break  # out of context and out of compactions
                 g0 = time.perf_counter()
-                ids, lps, vers, engine = await self._gen(seg, min(cfg.max_action_tokens, room - 4), tid)
+                ids, lps, vers, engine = await self._gen(seg, min(cfg.max_action_tokens, room - reserve - 4), tid)
                 timings["generate"] += time.perf_counter() - g0
                 generated += len(ids)
                 seg.add(ids, True, lps, vers)
@@ -151,7 +153,7 @@ class Agent:
                 turn += 1
                 if env.done:
                     break
-                obs = self._obs_ids(step.observation)
+                obs = self._obs_ids(step.observation, cfg.max_context - len(seg.tokens) - reserve - 8)
                 seg.add(obs)
                 pairs.append((ids, lps, vers, obs))
             status = "completed" if env.done and env.log and env.log[-1].tool in ("submit", "done") else "truncated"

@@ -45,6 +45,19 @@ class GenerateBody(BaseModel):
     rid: str | list[str] | None = None
     session_id: str | None = None
     routing_key: str | None = None
+    # Fields real SGLang accepts (sglang-router forwards them): harmless ones are accepted, features this
+    # engine lacks are refused when switched on.
+    model: str | None = None
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    background: bool = False
+
+
+UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "background", "return_bytes")
 
 
 class UpdateFromDisk(BaseModel):
@@ -175,6 +188,9 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     @app.post("/generate")
     async def generate(body: GenerateBody):
         try:
+            on = [f for f in UNSUPPORTED_FLAGS if getattr(body, f)]
+            if on:
+                return bad(f"not supported by the embedded engine: {', '.join(on)}")
             if (body.text is None) == (body.input_ids is None):
                 return bad("give exactly one of `text` or `input_ids`")
             batch = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))

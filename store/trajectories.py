@@ -289,11 +289,11 @@ def to_arrow(trajs: Sequence[Trajectory]) -> tuple[pa.Table, pa.Table]:
     return traj_tbl, seg_tbl
 
 
-def _list_column(tbl: pa.Table, name: str) -> tuple[list, np.ndarray]:
-    """A list column as (flat Python values, offsets starting at 0)."""
+def _list_column(tbl: pa.Table, name: str) -> tuple[np.ndarray, list[int]]:
+    """A list column as (flat numpy values, offsets starting at 0)."""
     arr = tbl.column(name).combine_chunks()
     offs = arr.offsets.to_numpy().astype(np.int64)
-    return arr.flatten().to_numpy(zero_copy_only=False).tolist(), offs - offs[0]
+    return arr.flatten().to_numpy(zero_copy_only=False), (offs - offs[0]).tolist()
 
 
 def from_arrow(traj_tbl: pa.Table, seg_tbl: pa.Table) -> list[Trajectory]:
@@ -305,18 +305,21 @@ def from_arrow(traj_tbl: pa.Table, seg_tbl: pa.Table) -> list[Trajectory]:
     if seg_tbl.num_rows:
         cols = {n: _list_column(seg_tbl, n) for n in ("tokens", "loss_mask", "logprobs", "versions")}
         offs = cols["tokens"][1]
+        if any(c[1] != offs for c in cols.values()):
+            raise RuntimeError("segment list columns differ in length")
+        tok, msk, lps, ver = (cols[n][0] for n in ("tokens", "loss_mask", "logprobs", "versions"))
         tids = seg_tbl.column("trajectory_id").to_pylist()
         idx = seg_tbl.column("seg_index").to_pylist()
         st = seg_tbl.column("start_turn").to_pylist()
         en = seg_tbl.column("end_turn").to_pylist()
         sm = seg_tbl.column("summary").to_pylist()
         for r in range(seg_tbl.num_rows):
-            a, b = int(offs[r]), int(offs[r + 1])
+            a, b = offs[r], offs[r + 1]
             seg = Segment(
-                tokens=cols["tokens"][0][a:b],
-                loss_mask=cols["loss_mask"][0][a:b],
-                logprobs=cols["logprobs"][0][a:b],
-                versions=cols["versions"][0][a:b],
+                tokens=tok[a:b].tolist(),
+                loss_mask=msk[a:b].tolist(),
+                logprobs=lps[a:b].tolist(),
+                versions=ver[a:b].tolist(),
                 start_turn=st[r],
                 end_turn=en[r],
                 summary=sm[r],
@@ -490,7 +493,7 @@ class _Queries:
         if src is None:
             return 0
         with self._snapshot() as cur:
-            return cur.execute(f"SELECT count(*) FROM {src[0]} WHERE {where}", params).fetchone()[0]
+            return cur.execute(f"SELECT count(*) FROM {src[0]} WHERE {where}", params).fetchall()[0][0]
 
     def stats(self, iteration: int | Iterable[int] | None = None) -> dict:
         """Counts, tokens and mean reward of an iteration (None: all), in total, per status and per family.
@@ -591,9 +594,10 @@ class TrajectoryStore(_Queries):
 
     def _check_schema(self) -> None:
         try:
-            row = self._con.execute("SELECT value FROM store_meta WHERE key = 'schema_version'").fetchone()
+            rows = self._con.execute("SELECT value FROM store_meta WHERE key = 'schema_version'").fetchall()
         except duckdb.CatalogException:
-            row = None
+            rows = []
+        row = rows[0] if rows else None
         if row is None:
             raise RuntimeError(f"{self.path} is not a trajectory store (no store_meta.schema_version)")
         if int(row[0]) != SCHEMA_VERSION:
