@@ -13,7 +13,7 @@ from common import table, threads
 
 import configs
 from model import ByteTokenizer, Transformer
-from rollout.engine import Engine, GenRequest
+from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 from trainers.data import generated_corpus, lm_batches
 from trainers.lm import train_lm

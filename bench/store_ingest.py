@@ -1,13 +1,16 @@
 """Trajectory store ingest: tokens/s of batched Arrow inserts (`TrajectoryStore.write`, one transaction per
 batch) against DuckDB `executemany` row inserts (timed on a small sample, extrapolated per token); then
 read-back and Parquet export speeds for trainers.
+
+Rates count the whole durable cost: the commits (DuckDB writes each batch to its WAL) plus `close()`,
+which checkpoints what is left in the WAL into the compressed database file. The `:memory:` row is the
+insert alone (no WAL, no checkpoint, no compression to disk), for comparison.
 Run: .venv/bin/python bench/store_ingest.py [--trajectories 2000 --tokens 2000 --batch 200 --sample 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -68,82 +71,90 @@ def executemany_insert(path: Path, trajs: list[Trajectory]) -> None:
     store.close()
 
 
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trajectories", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per trajectory")
-    ap.add_argument("--batch", type=int, default=200)
+    ap.add_argument("--batch", type=int, nargs="+", default=[200, 2000], help="trajectories per transaction")
     ap.add_argument("--sample", type=int, default=20, help="trajectories for the executemany baseline")
+    ap.add_argument("--dir", default=None, help="where the databases go (default: a temporary folder)")
     args = ap.parse_args()
 
     trajs = make_trajectories(args.trajectories, args.tokens)
     n_tok = sum(t.n_tokens for t in trajs)
-    batches = [trajs[i : i + args.batch] for i in range(0, len(trajs), args.batch)]
-    tmp = Path(tempfile.mkdtemp(prefix="store-bench-"))
 
-    # 1. end to end: Trajectory objects -> Arrow -> INSERT ... SELECT, one transaction per batch
-    with TrajectoryStore(tmp / "write.db") as store:
+    def batches(size: int) -> list[list[Trajectory]]:
+        return [trajs[i : i + size] for i in range(0, len(trajs), size)]
+
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="store-bench-") as d:
+        tmp = Path(d)
+        sample = trajs[: args.sample]
+        s_tok = sum(t.n_tokens for t in sample)
+        t_rows = timed(lambda: executemany_insert(tmp / "rows.db", sample))
+        base = s_tok / t_rows
+        rows = [["executemany row inserts (sample)", len(sample), s_tok, t_rows, "", f"{base / 1e6:.2f}", 1.0]]
+
+        for size in args.batch:
+            store = TrajectoryStore(tmp / f"write{size}.db")
+            chunks = batches(size)
+            t = time.perf_counter()
+            for chunk in chunks:
+                store.write(chunk)
+            t_commit = time.perf_counter() - t
+            t_close = timed(store.close)  # the checkpoint of what is still in the WAL
+            rate = n_tok / (t_commit + t_close)
+            rows.append([f"write(), batches of {size}", len(trajs), n_tok, t_commit, f"{t_close:.3f}", f"{rate / 1e6:.2f}",
+                         rate / base])
+        size = args.batch[0]
         t = time.perf_counter()
-        for b in batches:
-            store.write(b)
-        t_write = time.perf_counter() - t
-
-    # 2. the two halves: Arrow conversion alone, DuckDB insert of ready tables alone
-    t = time.perf_counter()
-    tables = [to_arrow(b) for b in batches]
-    t_arrow = time.perf_counter() - t
-    with TrajectoryStore(tmp / "insert.db") as store:
+        tables = [to_arrow(chunk) for chunk in batches(size)]
+        t_arrow = time.perf_counter() - t
+        rows.append([f"  to_arrow() alone, batches of {size}", len(trajs), n_tok, t_arrow, "", f"{n_tok / t_arrow / 1e6:.2f}",
+                     n_tok / t_arrow / base])
+        store = TrajectoryStore(tmp / "insert.db")
         t = time.perf_counter()
         for tt, st in tables:
             store.write_arrow(tt, st)
         t_insert = time.perf_counter() - t
-    del tables
+        t_close = timed(store.close)
+        rate = n_tok / (t_insert + t_close)
+        rows.append([f"  write_arrow() alone, batches of {size}", len(trajs), n_tok, t_insert, f"{t_close:.3f}",
+                     f"{rate / 1e6:.2f}", rate / base])
+        store = TrajectoryStore(":memory:")  # the insert alone: no WAL, no checkpoint
+        t_mem = timed(lambda: [store.write_arrow(tt, st) for tt, st in tables])
+        store.close()
+        rows.append([f"  write_arrow() into :memory:, batches of {size}", len(trajs), n_tok, t_mem, "",
+                     f"{n_tok / t_mem / 1e6:.2f}", n_tok / t_mem / base])
+        tables.clear()
+        table(
+            f"store ingest: {len(trajs):,} trajectories x ~{args.tokens} tokens, one transaction per batch",
+            ["path", "trajectories", "tokens", "seconds", "+ close s", "M tokens/s", "× executemany"],
+            rows,
+        )
 
-    # 3. executemany on a sample, extrapolated per token
-    sample = trajs[: args.sample]
-    s_tok = sum(t.n_tokens for t in sample)
-    t = time.perf_counter()
-    executemany_insert(tmp / "rows.db", sample)
-    t_rows = time.perf_counter() - t
-
-    rate_rows = s_tok / t_rows
-    rows = []
-    for name, n, tok, sec in [
-        (f"write(): Arrow + INSERT, batches of {args.batch}", len(trajs), n_tok, t_write),
-        ("  of which to_arrow() (Python -> Arrow)", len(trajs), n_tok, t_arrow),
-        ("  of which write_arrow() (DuckDB insert)", len(trajs), n_tok, t_insert),
-        ("executemany row inserts (sample)", len(sample), s_tok, t_rows),
-    ]:
-        rate = tok / sec
-        rows.append([name, n, f"{tok:,}", sec, f"{rate / 1e6:.2f}", rate / rate_rows])
-    table(
-        f"store ingest: {len(trajs):,} trajectories x ~{args.tokens} tokens ({n_tok / 1e6:.1f}M tokens)",
-        ["path", "trajectories", "tokens", "seconds", "M tokens/s", "× executemany"],
-        rows,
-    )
-
-    # 4. trainer side: read back from the database and from a Parquet export
-    rows = []
-    with TrajectoryStore(tmp / "write.db") as store:
-        t = time.perf_counter()
-        got = store.read(iteration=0)
-        t_read = time.perf_counter() - t
-        assert len(got) == len(trajs) and got[0].segments[0].tokens == trajs[0].segments[0].tokens
-        del got
-        t = time.perf_counter()
-        store.export_parquet(0, tmp / "export")
-        t_export = time.perf_counter() - t
-    size = sum(p.stat().st_size for p in (tmp / "export").rglob("*.parquet"))
-    with ParquetReader(tmp / "export") as pq:
-        t = time.perf_counter()
-        got = pq.read(iteration=0)
-        t_pq = time.perf_counter() - t
-        assert len(got) == len(trajs)
-        del got
-    for name, sec in [("TrajectoryStore.read", t_read), ("export_parquet", t_export), ("ParquetReader.read", t_pq)]:
-        rows.append([name, sec, f"{n_tok / sec / 1e6:.2f}"])
-    table(f"read and export ({size / 1e6:.1f} MB of Parquet, zstd)", ["operation", "seconds", "M tokens/s"], rows)
-    print(json.dumps({"db_bytes": (tmp / "write.db").stat().st_size, "dir": str(tmp)}))
+        # trainer side: read back from the database and from a Parquet export
+        db = tmp / f"write{args.batch[0]}.db"
+        rows = []
+        with TrajectoryStore(db) as store:
+            rows.append(["TrajectoryStore.read", timed(lambda: store.read(iteration=0))])
+            rows.append(["TrajectoryStore.read_arrow", timed(lambda: store.read_arrow(iteration=0))])
+            rows.append(["export_parquet", timed(lambda: store.export_parquet(0, tmp / "export"))])
+        size_mb = sum(p.stat().st_size for p in (tmp / "export").rglob("*.parquet")) / 1e6
+        with ParquetReader(tmp / "export") as pq:
+            assert pq.count() == len(trajs)
+            rows.append(["ParquetReader.read", timed(lambda: pq.read(iteration=0))])
+            rows.append(["ParquetReader.read_arrow", timed(lambda: pq.read_arrow(iteration=0))])
+        table(
+            f"read and export: {db.stat().st_size / 1e6:.1f} MB database, {size_mb:.1f} MB Parquet (zstd)",
+            ["operation", "seconds", "M tokens/s"],
+            [[name, sec, f"{n_tok / sec / 1e6:.2f}"] for name, sec in rows],
+        )
 
 
 if __name__ == "__main__":

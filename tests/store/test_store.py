@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from trajgen import as_stored, random_trajectory
 
@@ -23,6 +25,8 @@ from store import (
     StoreWriteError,
     StoreWriter,
     TrajectoryStore,
+    from_arrow,
+    to_arrow,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +94,14 @@ def test_round_trip_is_exact(tmp_path):
             t = next(x for x in trajs if x.trajectory_id == tid)
             assert (n_tok, n_train, (vmin, vmax), n_seg) == (t.n_tokens, t.n_trainable, t.policy_versions(), len(t.segments))
         assert store.iterations() == [0]
+        # the Arrow path gives the same data without Python lists
+        tt, st = store.read_arrow(status="completed")
+        assert from_arrow(tt, st) == store.read(status="completed")
+        assert st.column("trajectory_id").to_pylist() == sorted(st.column("trajectory_id").to_pylist())
+        one = next(t for t in trajs if t.status == "completed")
+        row = tt.column("trajectory_id").to_pylist().index(one.trajectory_id)
+        assert st.filter(pc.equal(st["trajectory_id"], one.trajectory_id))["tokens"].to_pylist()[0] == one.segments[0].tokens
+        assert json.loads(tt["verifier"][row].as_py()) == one.verifier
     # reopened read-only (WAL checkpointed on close): the same trajectories
     with TrajectoryStore(db, read_only=True) as ro:
         again = by_id(ro.read())
@@ -113,6 +125,12 @@ def test_duplicates_and_bad_input_raise_and_write_nothing(tmp_path):
             store.write(fresh[:1] + [replace(fresh[2], segments=[Segment([2**40], [True], [0.0], [1])])])
         with pytest.raises(ValueError, match="'new0002': verifier is not JSON"):
             store.write(fresh[:2] + [replace(fresh[2], verifier={"f": object()})])
+        tt, st = to_arrow(fresh)
+        bad_status = tt.set_column(tt.schema.get_field_index("status"), "status", pa.array(["done"] * len(fresh)))
+        with pytest.raises(ValueError, match="breaks a store constraint"):
+            store.write_arrow(bad_status, st)
+        with pytest.raises(ValueError, match="does not match n_segments .* 'new0000'"):
+            store.write_arrow(tt, st.slice(1))
         # nothing of the failed batches got in; the stored one is untouched
         assert store.count() == 5
         assert by_id(store.read())["t0002"] == as_stored(first[2])
