@@ -56,7 +56,8 @@ def test_spreads_work_and_keeps_sessions(two_servers):
 
     async def main():
         async with Router([s.url for s in servers]) as router:
-            outs = await asyncio.gather(*(router.generate([1, 2, 3, i], {"max_new_tokens": 6}) for i in range(8)))
+            sp = {"max_new_tokens": 6, "ignore_eos": True}
+            outs = await asyncio.gather(*(router.generate([1, 2, 3, i], sp) for i in range(8)))
             assert all(len(o["output_ids"]) == 6 for o in outs)
             used = {o["meta_info"]["worker"] for o in outs}
             assert used == {s.url for s in servers}  # least-outstanding-work uses both
@@ -77,7 +78,8 @@ def test_failover_to_a_healthy_worker(two_servers):
 
     async def main():
         async with Router([dead_url, servers[0].url], health_interval=60) as router:
-            outs = await asyncio.gather(*(router.generate([1, 2, i], {"max_new_tokens": 3}) for i in range(6)))
+            sp = {"max_new_tokens": 3, "ignore_eos": True}
+            outs = await asyncio.gather(*(router.generate([1, 2, i], sp) for i in range(6)))
             return outs, router.stats()
 
     try:
@@ -134,7 +136,8 @@ def test_real_sglang_router_in_front_of_two_embedded_servers(two_servers):
                     time.sleep(0.5)
             assert ok, "sglang-router never routed a request"
             for i in range(6):
-                r = c.post(url + "/generate", json={"input_ids": [3, i], "sampling_params": {"max_new_tokens": 3}})
+                sp = {"max_new_tokens": 3, "ignore_eos": True}
+                r = c.post(url + "/generate", json={"input_ids": [3, i], "sampling_params": sp})
                 assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
         after = [e.stats.generated_tokens for e in engines]
         assert all(a > b for a, b in zip(after, before))  # both embedded servers did work

@@ -28,7 +28,8 @@ def http(server):
 
 
 def test_generate_native(http):
-    r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+    r = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                                                                               "ignore_eos": True},
                                      "return_logprob": True})
     assert r.status_code == 200
     d = r.json()
@@ -39,6 +40,7 @@ def test_generate_native(http):
     inp = d["meta_info"]["input_token_logprobs"]
     assert inp[0][0] is None and [x[1] for x in inp] == [1, 2, 3]
     batch = http.post("/generate", json={"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 2}})
+    assert all(len(b["output_ids"]) <= 2 for b in batch.json())
     assert batch.status_code == 200 and len(batch.json()) == 2
     text = http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
     assert text.json()["meta_info"]["prompt_tokens"] == 5
@@ -48,8 +50,8 @@ def test_generate_native(http):
 
 
 def test_generate_stream(http):
-    with http.stream("POST", "/generate", json={"input_ids": [1, 2], "stream": True,
-                                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}) as s:
+    with http.stream("POST", "/generate", json={"input_ids": [1, 2], "stream": True, "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -111,7 +113,7 @@ def test_weight_updates(http, server, micro_model, tmp_path):
     r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "ck")})
     assert r.status_code == 200 and r.json()["success"]
     assert http.get("/get_model_info").json()["weight_version"] == "3"
-    out = http.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2},
+    out = http.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
                                        "return_logprob": True}).json()
     assert out["meta_info"]["weight_version"] == "3" and out["meta_info"]["output_token_versions"] == [3, 3]
     bad = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
@@ -142,7 +144,8 @@ def test_control_and_info_endpoints(http):
 
 
 def test_openai_completions_and_chat(http):
-    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0, "logprobs": 1})
+    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0, "logprobs": 1,
+                                           "stop": ["<never>"]})
     d = r.json()
     assert r.status_code == 200 and d["object"] == "text_completion" and d["usage"]["completion_tokens"] == 4
     assert len(d["choices"][0]["logprobs"]["token_logprobs"]) == 4
