@@ -1,0 +1,149 @@
+"""SAO math against hand computations: GAE variants, the band mask, normalisation, staleness, OPD."""
+
+import math
+
+import pytest
+import torch
+
+import configs
+from model import Transformer
+from rollout.types import Segment, Trajectory
+from trainers.advantages import adaptive_lambda, gae, grpo_advantages, returns
+from trainers.rl_losses import LossConfig, band_mask, opd_advantage, policy_loss
+from trainers.sao import SAOConfig, SAOTrainer, layout
+
+
+def test_gae_hand_computation():
+    v = torch.tensor([0.5, 0.2, 0.1])
+    # δ = [0.2-0.5, 0.1-0.2, 1-0.1] = [-0.3, -0.1, 0.9]; λ = 0.5
+    torch.testing.assert_close(gae(v, 1.0, gamma=1.0, lam=0.5), torch.tensor([-0.125, 0.35, 0.9]))
+    # λ = 1, γ = 1: A = R − V
+    torch.testing.assert_close(gae(v, 1.0, 1.0, 1.0), 1.0 - v)
+    # γ < 1 discounts the terminal reward
+    torch.testing.assert_close(returns(3, 2.0, gamma=0.5), torch.tensor([0.5, 1.0, 2.0]))
+    assert adaptive_lambda(10, 0.5) == pytest.approx(0.8) and adaptive_lambda(1, 0.5) == 0.0
+    assert gae(torch.zeros(0), 1.0).numel() == 0
+
+
+def _traj(segments, reward=1.0, versions=None, status="completed", env="e"):
+    segs = []
+    for toks, mask in segments:
+        n = len(toks)
+        ver = versions if versions is not None else 0
+        segs.append(Segment(list(toks), list(mask), [-1.0 if m else 0.0 for m in mask],
+                            [ver if m else -1 for m in mask]))
+    return Trajectory("t", env, "f", "math", "h", "v", 0, segs, reward, status)
+
+
+class ConstCritic(torch.nn.Module):
+    """Value = a fixed function of the token id at the position (a stand-in with known values)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+        self.p = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids):
+        return self.table[ids] + 0 * self.p
+
+
+def test_skip_observation_and_cross_segment_gae():
+    cfg = configs.load("micro").model
+    actor = Transformer(cfg)
+    table = torch.zeros(cfg.vocab_size)
+    table[10], table[11], table[12], table[13] = 0.4, 0.3, 0.2, 0.1
+    tr = SAOTrainer(actor, SAOConfig(alpha=10.0, gamma=1.0), critic=ConstCritic(table))
+    # segment 1: prompt 1 2 | action 10 11 | obs 5 5 ; segment 2 (after compaction): prompt 1 | action 12 13
+    t = _traj([([1, 2, 10, 11, 5, 5], [0, 0, 1, 1, 0, 0]), ([1, 12, 13], [0, 1, 1])], reward=1.0)
+    rows = layout([t])
+    adv, ret = tr.advantages([t], rows)
+    v = torch.tensor([0.4, 0.3, 0.2, 0.1])  # values of the four trainable tokens, in order
+    lam = adaptive_lambda(4, 10.0)
+    want = gae(v, 1.0, 1.0, lam)  # the TD chain skips observations and crosses the segment boundary
+    torch.testing.assert_close(adv[0][rows.mask[0]], want[:2])
+    torch.testing.assert_close(adv[1][rows.mask[1]], want[2:])
+    assert adv[0][~rows.mask[0]].abs().sum() == 0 and adv[1][~rows.mask[1]].abs().sum() == 0
+    assert (ret[rows.mask] == 1.0).all()
+    # with zero values the first segment's advantages are the second's scaled by (γλ)^(trainable after it)
+    zero = SAOTrainer(actor, SAOConfig(alpha=10.0), critic=ConstCritic(torch.zeros(cfg.vocab_size)))
+    adv0, _ = zero.advantages([t], rows)
+    seg1, seg2 = adv0[0][rows.mask[0]], adv0[1][rows.mask[1]]
+    torch.testing.assert_close(seg1, seg2 * lam**2)
+    torch.testing.assert_close(seg2, torch.tensor([lam, 1.0]))
+
+
+def test_band_mask_edges():
+    r = torch.tensor([0.8, 0.8000001, 1.0, 4.9999, 5.0, 7.0])
+    assert band_mask(r, 0.2, 4.0).tolist() == [False, True, True, True, False, False]
+
+
+def test_sao_loss_gradient_and_normalisation():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.2], [0.4, 0.1, 0.1]])).requires_grad_(True)
+    roll = torch.log(torch.tensor([[0.5, 0.25, 0.2], [0.4, 0.1, 0.9]]))  # ratios [1, 2, 1], [1, 1, 1/9]
+    adv = torch.tensor([[1.0, 2.0, -1.0], [0.5, 1.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    loss, st = policy_loss(logp, roll, adv, mask, LossConfig("sao", eps_low=0.2, eps_high=4.0))
+    # token-level mean over the 5 trainable tokens; the ratio 1/9 token is outside the band: no gradient
+    want = -(1 * 1 * logp[0, 0] + 2 * 2 * logp[0, 1] + 1 * -1 * logp[0, 2] + 1 * 0.5 * logp[1, 0]) / 5
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    assert logp.grad[1, 2] == 0 and logp.grad[1, 1] == 0
+    assert st["clip_frac"] == pytest.approx(1 / 5) and st["tokens"] == 5
+    # PPO (naive async) and TIS run on the same inputs
+    for kind in ("ppo", "tis", "grpo"):
+        lo, _ = policy_loss(logp.detach().requires_grad_(True), roll, adv, mask, LossConfig(kind))
+        assert torch.isfinite(lo)
+
+
+def test_micro_batching_equals_one_batch():
+    torch.manual_seed(0)
+    cfg = configs.load("micro").model
+    trajs = [_traj([(torch.randint(0, 200, (n,)).tolist(), [0] * 3 + [1] * (n - 3))], reward=float(i % 2))
+             for i, n in enumerate([9, 14, 20, 7, 12])]
+    grads = []
+    for micro in (1, 5):
+        torch.manual_seed(1)
+        actor = Transformer(cfg)
+        tr = SAOTrainer(actor, SAOConfig(micro_rows=micro, critic_updates=0, loss="tis"))
+        tr.step(trajs, current_version=0)
+        grads.append({n: p.detach().clone() for n, p in actor.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=2e-6, rtol=1e-4)
+
+
+def test_staleness_bound_and_exclusions():
+    cfg = configs.load("micro").model
+    tr = SAOTrainer(Transformer(cfg), SAOConfig(staleness=2, critic_updates=0))
+    ok = _traj([([1, 2, 3, 4], [0, 1, 1, 1])], versions=8)
+    stale = _traj([([1, 2, 3, 4], [0, 1, 1, 1])], versions=7)
+    crashed = _traj([([1, 2, 3], [0, 1, 1])], versions=10, status="crashed")
+    kept = tr.select([ok, stale, crashed], current_version=10)
+    assert kept == [ok] and tr.dropped == {"stale": 1, "crashed": 1, "empty": 0}
+    naive = SAOTrainer(Transformer(cfg), SAOConfig(loss="ppo", staleness=2, critic_updates=0))
+    assert len(naive.select([ok, stale], current_version=10)) == 2  # the naive baseline has no bound
+
+
+def test_grpo_and_opd_hand_cases():
+    a = grpo_advantages([1.0, 0.0, 1.0, 0.5, 0.5], ["x", "x", "x", "y", "y"])
+    s = math.sqrt(2 / 9)
+    assert a[0] == pytest.approx((1 - 2 / 3) / s, rel=1e-4) and a[1] == pytest.approx((0 - 2 / 3) / s, rel=1e-4)
+    assert a[3] == 0 and a[4] == 0
+    lt = torch.tensor([-1.0, -0.5, -3.0])
+    ls = torch.tensor([-2.0, -0.5, -1.0], requires_grad=True)
+    adv = opd_advantage(lt, ls, outcome=1.0, alpha=0.5)
+    torch.testing.assert_close(adv, torch.tensor([1.5, 0.5, -1.5]))
+    assert not adv.requires_grad
+
+
+def test_sao_step_runs_and_reports(tmp_path):
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    tr = SAOTrainer(Transformer(cfg), SAOConfig(critic_updates=2))
+    trajs = [_traj([(torch.randint(0, 200, (16,)).tolist(), [0] * 6 + [1] * 10)], reward=float(i % 2), versions=3)
+             for i in range(4)]
+    pre = tr.value_pretrain(trajs, steps=5)
+    assert pre[-1] < pre[0]
+    st = tr.step(trajs, current_version=4)
+    for k in ("clip_frac", "ratio_mean", "kl", "entropy", "value_loss", "grad_norm", "reward_mean"):
+        assert k in st and math.isfinite(st[k])
+    assert st["trajectories"] == 4 and st["tokens"] == 40
