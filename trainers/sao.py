@@ -217,6 +217,6 @@ class SAOTrainer:
         self.opt.step()
         self.steps += 1
         stats.update(agg)
-        stats.update(tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), reward_mean=sum(t.reward for t in kept) / len(kept),
-                     step=self.steps)
+        stats.update(tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
+                     reward_mean=sum(t.reward for t in kept) / len(kept))
         return stats

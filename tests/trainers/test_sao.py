@@ -28,7 +28,6 @@ def test_gae_hand_computation():
 def _traj(segments, reward=1.0, versions=None, status="completed", env="e"):
     segs = []
     for toks, mask in segments:
-        n = len(toks)
         ver = versions if versions is not None else 0
         segs.append(Segment(list(toks), list(mask), [-1.0 if m else 0.0 for m in mask],
                             [ver if m else -1 for m in mask]))
