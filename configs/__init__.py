@@ -14,8 +14,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from envs.config import EnvConfig
 from model.config import ModelConfig
-from trainers.config import TrainConfig
+from rollout.config import AgentConfig
+from trainers.config import LoopConfig, OPDConfig, SAOConfig, TrainConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -29,6 +31,11 @@ class IterationConfig(BaseModel):
 
     model: ModelConfig
     train: TrainConfig = TrainConfig()
+    envs: EnvConfig = EnvConfig()
+    agent: AgentConfig = AgentConfig()
+    sao: SAOConfig = SAOConfig()
+    opd: OPDConfig = OPDConfig()
+    loop: LoopConfig = LoopConfig()
     seed: int = 0
 
 

@@ -17,35 +17,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from envs import Environment, TaskSpec
 from envs.sandbox import Sandbox
 from model.tokenizer import ChatTemplate, Tokenizer
 
+from .config import AgentConfig
 from .types import Segment, Trajectory
 
-SYSTEM_PROMPT = (
-    "You act through tools. Reply with exactly one tool call per turn, e.g. <tool_call>read notes.txt</tool_call>. "
-    "Finish with <tool_call>submit ANSWER</tool_call> or <tool_call>done</tool_call>."
-)
 SUMMARY_PROMPT = "Context is nearly full. Briefly summarise what you found and what remains to do."
-
-
-class AgentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    max_context: int = Field(default=2048, gt=64)  # tokens per segment
-    max_action_tokens: int = Field(default=96, gt=0)
-    max_total_tokens: int = Field(default=8192, gt=0)  # generated tokens over the whole episode
-    compact_margin: int = Field(default=256, ge=0)  # compact when fewer tokens than this remain
-    max_compactions: int = Field(default=3, ge=0)
-    summary_tokens: int = Field(default=96, gt=0)
-    max_obs_tokens: int = Field(default=512, gt=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
-    system_prompt: str = SYSTEM_PROMPT
 
 
 class Policy(Protocol):
@@ -189,3 +168,37 @@ async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, 
         return t
 
     return list(await asyncio.gather(*(one(s) for s in specs)))
+
+
+class ScriptedPolicy:
+    """A policy that replays fixed tool calls (oracles for SFT data, probes, tests); log-probs are 0."""
+
+    def __init__(self, tokenizer: Tokenizer, actions: list[str], version: int = 0):
+        self.tok, self.actions, self.version = tokenizer, list(actions), version
+        self.end = ChatTemplate(tokenizer).end_id
+
+    async def generate(self, input_ids, sampling_params=None, **kw) -> dict:
+        text = self.actions.pop(0) if self.actions else "<tool_call>done</tool_call>"
+        ids = self.tok.encode(text, allow_special=True) + [self.end]
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[0.0, t, None] for t in ids],
+                                                 "output_token_versions": [self.version] * len(ids)}}
+
+
+class EnginePolicy:
+    """The in-process engine behind the same `generate` interface as `EngineClient` (no HTTP hop)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, session_id=None, **kw) -> dict:
+        from .engine import GenRequest
+        from .sampling import SamplingParams
+
+        req = GenRequest(list(input_ids), SamplingParams(**(sampling_params or {})), session_id=session_id,
+                         return_logprob=return_logprob)
+        self.engine.submit(req)
+        r = await asyncio.wrap_future(req.future)
+        return {"output_ids": r.output_ids,
+                "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)],
+                              "output_token_versions": r.output_versions, "finish_reason": r.finish,
+                              "worker": self.engine.name}}

@@ -1,6 +1,8 @@
-"""Knobs of the language-model / SFT trainer."""
+"""Knobs of the trainers: LM/SFT, SAO (and its baselines), OPD, and the RL loop."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,3 +22,46 @@ class TrainConfig(BaseModel):
     router_bias_rate: float = Field(default=1e-3, ge=0)
     max_steps: int = Field(default=100_000, gt=0)
     max_seconds: float = Field(default=60.0, gt=0)
+
+
+class SAOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    loss: Literal["sao", "ppo", "tis", "grpo"] = "sao"
+    eps_low: float = Field(default=0.2, ge=0, le=1)
+    eps_high: float = Field(default=4.0, ge=0)
+    clip: float = Field(default=0.2, gt=0)
+    tis_cap: float = Field(default=2.0, gt=0)
+    gamma: float = Field(default=1.0, gt=0, le=1)
+    alpha: float = Field(default=1.0, gt=0)  # λ_policy = 1 − 1/(α·l)
+    staleness: int | None = Field(default=2, ge=0)  # τ; None: no bound (naive async)
+    critic_updates: int = Field(default=2, ge=0)
+    freeze_critic_attention: bool = True
+    lr: float = Field(default=1e-4, gt=0)
+    critic_lr: float = Field(default=5e-4, gt=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_rows: int = Field(default=8, gt=0)
+    value_pretrain_steps: int = Field(default=50, ge=0)
+
+
+class OPDConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=1e-4, gt=0)
+    band_low: float = Field(default=0.1, gt=0, lt=1)
+    band_high: float = Field(default=10.0, gt=1)
+    outcome_alpha: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_rows: int = Field(default=8, gt=0)
+
+
+class LoopConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["async", "sync"] = "async"
+    batch_size: int = Field(default=8, gt=0)
+    push_every: int = Field(default=1, gt=0)
+    in_flight: int = Field(default=8, gt=0)
+    group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
+    n_slots: int = Field(default=8, gt=0)
+    seed: int = 0

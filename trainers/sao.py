@@ -17,37 +17,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from model import Transformer
 from rollout.types import Trajectory
 
 from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by_segments
+from .config import SAOConfig
 from .rl_losses import LossConfig, policy_loss
-
-
-class SAOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    loss: Literal["sao", "ppo", "tis", "grpo"] = "sao"
-    eps_low: float = Field(default=0.2, ge=0, le=1)
-    eps_high: float = Field(default=4.0, ge=0)
-    clip: float = Field(default=0.2, gt=0)
-    tis_cap: float = Field(default=2.0, gt=0)
-    gamma: float = Field(default=1.0, gt=0, le=1)
-    alpha: float = Field(default=1.0, gt=0)  # λ_policy = 1 − 1/(α·l)
-    staleness: int | None = Field(default=2, ge=0)  # τ; None: no bound (naive async)
-    critic_updates: int = Field(default=2, ge=0)
-    freeze_critic_attention: bool = True
-    lr: float = Field(default=1e-4, gt=0)
-    critic_lr: float = Field(default=5e-4, gt=0)
-    grad_clip: float = Field(default=1.0, gt=0)
-    micro_rows: int = Field(default=8, gt=0)
-    value_pretrain_steps: int = Field(default=50, ge=0)
 
 
 class Critic(nn.Module):
@@ -174,7 +153,7 @@ class SAOTrainer:
             m = rows.mask[sl]
             loss = 0.5 * (((v - ret[sl]) ** 2) * m).sum() / n
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
         self.copt.step()
         return total

@@ -1,0 +1,19 @@
+"""Knobs of environment generation and validation for one iteration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EnvConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    patterns: list[str] = Field(default_factory=lambda: ["kv-lookup", "calc-chain", "set-const"])
+    n_train: int = Field(default=240, ge=0)
+    n_eval: int = Field(default=30, ge=0)
+    seed: int = 0
+    eval_seed: int = 10_007
+    sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
+    probes: bool = True

@@ -1,0 +1,140 @@
+"""The RL loop in slime's shape, in one process on a CPU.
+
+Async mode: a rollout thread keeps `in_flight` episodes running against the embedded engine (agent
+loop + sandboxed environments); every finished trajectory goes into a queue at once. The trainer takes
+`batch_size` trajectories as they arrive (one rollout per prompt), runs one SAO step, and every
+`push_every` steps pushes its weights to the engine (versioned and checksummed). The engine swaps them
+between decoding steps; in-flight requests keep going and their later tokens carry the new version —
+which is what the staleness bound τ measures.
+
+Sync mode: generate a batch with the current weights, wait for all of it, train, push (GRPO's shape:
+`group_size` rollouts per prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from envs import TaskSpec
+from envs.sandbox import Sandbox
+from model import Transformer
+from model.tokenizer import Tokenizer
+from rollout.agent import Agent, AgentConfig, EnginePolicy, run_episodes
+from rollout.engine import Engine
+from rollout.types import Trajectory
+
+from .config import LoopConfig
+from .sao import SAOConfig, SAOTrainer
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+class RLLoop:
+    def __init__(self, actor: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
+                 agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
+                 on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0):
+        self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
+        self.agent_cfg, self.cfg = agent_cfg, cfg or LoopConfig()
+        self.trainer = SAOTrainer(actor, sao_cfg)
+        self.version, self.iteration = version, iteration
+        self.engine = Engine(copy.deepcopy(actor).eval(), tok, n_slots=self.cfg.n_slots,
+                             max_len=agent_cfg.max_context + 8, policy_version=version)
+        self.on_trajectory = on_trajectory
+        self.pushes: list[dict] = []
+        self.finished = 0
+        self._q: queue.Queue[Trajectory] = queue.Queue()
+        self._stop = threading.Event()
+        self._cursor = 0
+
+    def _next_spec(self) -> TaskSpec:
+        s = self.specs[self._cursor % len(self.specs)]
+        self._cursor += 1
+        return s
+
+    def push_weights(self) -> dict:
+        self.version += 1
+        t0 = time.perf_counter()
+        sd = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
+        res = self.engine.update_weights(state_dict=sd, version=self.version)
+        rec = {"version": self.version, "checksum": weights_checksum(self.actor), "seconds": time.perf_counter() - t0,
+               "in_flight": res["num_paused_requests"]}
+        if weights_checksum(self.engine.model) != rec["checksum"]:
+            raise RuntimeError(f"weight push v{self.version}: engine checksum differs from the trainer's")
+        self.pushes.append(rec)
+        return rec
+
+    # ---- rollout side (async mode) -----------------------------------------------------------------
+    def _rollouts(self) -> None:
+        async def worker(agent: Agent):
+            while not self._stop.is_set():
+                t = await agent.run(self._next_spec(), self.iteration)
+                self._emit(t)
+
+        async def main():
+            agent = Agent(EnginePolicy(self.engine), self.tok, self.sandbox, self.agent_cfg)
+            await asyncio.gather(*(worker(agent) for _ in range(self.cfg.in_flight)))
+
+        asyncio.run(main())
+
+    def _emit(self, t: Trajectory) -> None:
+        self.finished += 1
+        if self.on_trajectory is not None:
+            self.on_trajectory(t)
+        self._q.put(t)
+
+    # ---- driver ---------------------------------------------------------------------------------------
+    def run(self, steps: int, on_step: Callable[[dict], None] | None = None, max_seconds: float | None = None) -> list[dict]:
+        hist: list[dict] = []
+        t0 = time.perf_counter()
+        thread = None
+        if self.cfg.mode == "async":
+            thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
+            thread.start()
+        try:
+            for step in range(steps):
+                if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                    break
+                batch = self._collect()
+                st = self.trainer.step(batch, self.version)
+                if (step + 1) % self.cfg.push_every == 0:
+                    st["push"] = self.push_weights()
+                st.update(elapsed=time.perf_counter() - t0, finished=self.finished, version=self.version,
+                          batch_reward=sum(t.reward for t in batch) / len(batch))
+                hist.append(st)
+                if on_step:
+                    on_step(st)
+        finally:
+            self._stop.set()
+            self.engine.abort()
+            if thread is not None:
+                thread.join(timeout=30)
+            self.engine.shutdown()
+        return hist
+
+    def _collect(self) -> list[Trajectory]:
+        if self.cfg.mode == "async":
+            return [self._q.get() for _ in range(self.cfg.batch_size)]
+        g = self.cfg.group_size
+        specs = [self._next_spec() for _ in range(max(1, self.cfg.batch_size // g))]
+        specs = [s for s in specs for _ in range(g)]
+        agent = Agent(EnginePolicy(self.engine), self.tok, self.sandbox, self.agent_cfg)
+        trajs = asyncio.run(run_episodes(agent, specs, self.iteration, concurrency=self.cfg.in_flight))
+        for t in trajs:
+            self.finished += 1
+            if self.on_trajectory is not None:
+                self.on_trajectory(t)
+        return trajs

@@ -1,0 +1,66 @@
+"""Multi-teacher on-policy distillation (OPD).
+
+The student samples in environments of every domain; each trajectory goes to its domain's teacher,
+which scores the student's own tokens. Per trainable token the signal is the reverse-KL advantage
+Â_t = sg[log π_teacher(y_t) − log π_θ(y_t)] (+ α·the outcome advantage R − mean R), and tokens whose
+importance ratio π_θ / π_rollout leaves the band (default 0.1–10) are masked. Teachers live in a
+`TeacherPool` (at most M resident, the rest on disk); batches are grouped by teacher and the next
+teacher is prefetched while the current one scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import Transformer
+from rollout.types import Trajectory
+
+from .config import OPDConfig
+from .rl_losses import LossConfig, opd_advantage, policy_loss
+from .sao import layout, token_logprobs
+
+
+class OPDTrainer:
+    def __init__(self, student: Transformer, teachers, cfg: OPDConfig | None = None):
+        """`teachers`: a `trainers.teachers.TeacherPool` (or anything with `score_batches(batches, fn)`)."""
+        self.student, self.teachers, self.cfg = student, teachers, cfg or OPDConfig()
+        self.lcfg = LossConfig(kind="opd", eps_low=1 - self.cfg.band_low, eps_high=self.cfg.band_high - 1)
+        self.opt = torch.optim.AdamW(student.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.steps = 0
+
+    @torch.no_grad()
+    def teacher_logprobs(self, trajs: list[Trajectory]) -> list[torch.Tensor]:
+        """Score every trajectory's rows with its domain's teacher (grouped by teacher, prefetching)."""
+        batches = [(t.domain, layout([t])) for t in trajs]
+
+        def score(teacher: Transformer, rows) -> torch.Tensor:
+            return token_logprobs(teacher.eval(), rows.ids)[0]
+
+        return self.teachers.score_batches(batches, score)
+
+    def step(self, trajs: list[Trajectory]) -> dict:
+        trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
+        if not trajs:
+            return {"trajectories": 0}
+        t_lp = self.teacher_logprobs(trajs)
+        mean_r = sum(t.reward for t in trajs) / len(trajs)
+        self.student.train()
+        n = sum(int(layout([t]).mask.sum()) for t in trajs)
+        self.opt.zero_grad(set_to_none=True)
+        agg: dict[str, float] = {}
+        rkl = 0.0
+        for t, tlp in zip(trajs, t_lp):
+            rows = layout([t])
+            lp, _ = token_logprobs(self.student, rows.ids)
+            adv = opd_advantage(tlp, lp, outcome=t.reward - mean_r, alpha=self.cfg.outcome_alpha)
+            loss, st = policy_loss(lp, rows.logp_rollout, adv, rows.mask, self.lcfg)
+            share = float(rows.mask.sum()) / n
+            (loss * share).backward()
+            rkl += float(((lp.detach() - tlp) * rows.mask).sum())
+            for k, v in st.items():
+                agg[k] = agg.get(k, 0.0) + v * share
+        gn = torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.steps += 1
+        return {**agg, "tokens": float(n), "reverse_kl": rkl / n, "grad_norm": float(gn), "trajectories": len(trajs),
+                "reward_mean": mean_r, "step": self.steps}
