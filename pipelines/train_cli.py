@@ -1,0 +1,226 @@
+"""`temper train sft | sao | opd | resume`: the trainers from the command line, with progress bars.
+
+    temper train sft --preset tiny --out runs/sft
+    temper train sao --preset tiny --init runs/sft/checkpoint --steps 40 --out runs/sao
+    temper train opd --preset tiny --init runs/sft/checkpoint --teacher code=runs/sao-code/checkpoint ... --out runs/opd
+    temper train resume --out runs/sao          # continue a killed SAO run from its last checkpoint
+
+Each run writes `run.json` (the resolved config and arguments), training checkpoints under
+`state/` (atomic, resumable), the final policy in HF layout under `checkpoint/`, and `report.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _setup(args):
+    import configs
+    from envs import make_sandbox
+    from envs.generator import generate
+    from model import ByteTokenizer
+
+    cfg = configs.load(args.preset, args.override)
+    tok = ByteTokenizer()
+    sandbox = make_sandbox(cfg.envs.sandbox)
+    train = generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed)
+    held = generate(cfg.envs.patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
+    return cfg, tok, sandbox, train, held
+
+
+def _progress(con, total: float, label: str):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                    console=con, transient=True)
+    return prog, prog.add_task("", total=total)
+
+
+def cmd_sft(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from model import Transformer, load_checkpoint, save_checkpoint
+    from trainers.lm import train_lm
+    from trainers.sft import evaluate, oracle_trajectories, sft_batches
+
+    con = Console()
+    cfg, tok, sandbox, train, held = _setup(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps({"command": "sft", "args": vars(args), "config": cfg.model_dump(mode="json")},
+                                             indent=1, default=str))
+    torch.manual_seed(cfg.seed)
+    model = load_checkpoint(args.init) if args.init else Transformer(cfg.model)
+    trajs = oracle_trajectories(train, tok, sandbox, cfg.agent)
+    con.print(f"SFT data: {len(trajs)} oracle trajectories ({sum(t.n_trainable for t in trajs):,} trainable tokens)")
+    before = evaluate(model, held, tok, sandbox, cfg.agent)
+    prog, task = _progress(con, cfg.train.max_seconds, "sft")
+    t0 = time.perf_counter()
+    with prog:
+        hist = train_lm(model, sft_batches(trajs, cfg.train.batch_size, tok.pad_id, cfg.seed), cfg.train,
+                        lambda s: prog.update(task, completed=time.perf_counter() - t0, description=f"loss {s.loss:.3f}"))
+    after = evaluate(model, held, tok, sandbox, cfg.agent)
+    save_checkpoint(model, out / "checkpoint", policy_version=1)
+    rep = {"steps": len(hist), "loss": [hist[0].loss, hist[-1].loss], "pass@1_before": before["pass@1"],
+           "pass@1_after": after["pass@1"], "domain_after": after["domain"], "family_after": after["family"]}
+    (out / "report.json").write_text(json.dumps(rep, indent=1))
+    con.print(f"SFT {len(hist)} steps, loss {hist[0].loss:.3f} → {hist[-1].loss:.3f}; held-out pass@1 "
+              f"{before['pass@1']:.2f} → {after['pass@1']:.2f} {after['domain']}; policy → {out / 'checkpoint'}")
+    return 0
+
+
+def _sao_run(args, resume: bool) -> int:
+    import torch
+    from rich.console import Console
+
+    from model import Transformer, load_checkpoint, save_checkpoint
+    from trainers.checkpoint import load_training_state, restore, save_training_state
+    from trainers.loop import RLLoop
+    from trainers.sft import evaluate
+
+    con = Console()
+    cfg, tok, sandbox, train, held = _setup(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model = load_checkpoint(args.init) if args.init else Transformer(cfg.model)
+    version, start, cursor = 1, 0, 0
+    loop = None
+    state = None
+    if resume:
+        state = load_training_state(out / "state")
+        version, start, cursor = state.policy_version, state.step, int(state.data_cursor)
+    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=version)
+    if state is not None:
+        restore(state, model, loop.trainer.opt, loop.trainer.critic, getattr(loop.trainer, "copt", None))
+        loop.push_weights()  # the engine starts from the restored policy
+        loop.version = version
+        con.print(f"resumed from {state.path} (step {start}, policy v{version})")
+    else:
+        (out / "run.json").write_text(json.dumps({"command": "sao", "args": vars(args),
+                                                  "config": cfg.model_dump(mode="json")}, indent=1, default=str))
+    loop._cursor = cursor
+    before = evaluate(model, held, tok, sandbox, cfg.agent) if start == 0 else None
+    hist: list[dict] = []
+    prog, task = _progress(con, args.steps, "sao")
+    with prog:
+        prog.update(task, completed=start)
+
+        def on_step(st):
+            step = start + len(hist) + 1
+            hist.append(st)
+            prog.update(task, completed=step, description=f"reward {st['batch_reward']:.2f} v{st['version']}")
+            if step % args.save_every == 0 or step == args.steps:
+                save_training_state(out / "state", policy=model, optimizer=loop.trainer.opt, step=step,
+                                    policy_version=loop.version, data_cursor=loop._cursor, critic=loop.trainer.critic,
+                                    critic_optimizer=getattr(loop.trainer, "copt", None))
+
+        loop.run(max(0, args.steps - start), on_step)
+    after = evaluate(model, held, tok, sandbox, cfg.agent)
+    save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
+    rep = {"steps": start + len(hist), "pass@1_before": before["pass@1"] if before else None,
+           "pass@1_after": after["pass@1"], "domain_after": after["domain"],
+           "reward_curve": [h["batch_reward"] for h in hist], "dropped_stale": loop.trainer.dropped["stale"]}
+    (out / "report.json").write_text(json.dumps(rep, indent=1))
+    con.print(f"SAO → step {rep['steps']}, held-out pass@1 {after['pass@1']:.2f} {after['domain']}; "
+              f"policy v{loop.version} → {out / 'checkpoint'}")
+    return 0
+
+
+def cmd_sao(args) -> int:
+    return _sao_run(args, resume=False)
+
+
+def cmd_resume(args) -> int:
+    run = json.loads((Path(args.out) / "run.json").read_text())
+    if run["command"] != "sao":
+        print(f"error: resume supports SAO runs; {args.out} holds a {run['command']} run")
+        return 2
+    saved = argparse.Namespace(**{**run["args"], "out": args.out})
+    return _sao_run(saved, resume=True)
+
+
+def cmd_opd(args) -> int:
+    import asyncio
+
+    import torch
+    from rich.console import Console
+
+    from model import load_checkpoint, save_checkpoint
+    from rollout.agent import Agent, EnginePolicy, run_episodes
+    from rollout.engine import Engine
+    from trainers.opd import OPDTrainer
+    from trainers.sft import evaluate
+    from trainers.teachers import TeacherPool
+
+    con = Console()
+    cfg, tok, sandbox, train, held = _setup(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    teachers = dict(t.split("=", 1) for t in args.teacher)
+    torch.manual_seed(cfg.seed)
+    student = load_checkpoint(args.init)
+    pool = TeacherPool(teachers, max_resident=args.resident)
+    trainer = OPDTrainer(student, pool, cfg.opd)
+    engine = Engine(load_checkpoint(args.init), tok, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8,
+                    policy_version=1)
+    specs = [s for s in train if s.domain in teachers]
+    version, cursor, hist = 1, 0, []
+    try:
+        prog, task = _progress(con, args.steps, "opd")
+        with prog:
+            for _ in range(args.steps):
+                batch = [specs[(cursor + i) % len(specs)] for i in range(cfg.loop.batch_size)]
+                cursor += cfg.loop.batch_size
+                agent = Agent(EnginePolicy(engine), tok, sandbox, cfg.agent)
+                trajs = asyncio.run(run_episodes(agent, batch, concurrency=cfg.loop.in_flight))
+                st = trainer.step(trajs)
+                version += 1
+                engine.update_weights(state_dict={k: v.detach().clone() for k, v in student.state_dict().items()},
+                                      version=version)
+                hist.append(st)
+                prog.update(task, advance=1, description=f"reverse KL {st.get('reverse_kl', 0):.3f}")
+    finally:
+        engine.shutdown()
+        pool.close()
+    after = evaluate(student, held, tok, sandbox, cfg.agent)
+    save_checkpoint(student, out / "checkpoint", policy_version=version)
+    rep = {"steps": len(hist), "pass@1_after": after["pass@1"], "domain_after": after["domain"],
+           "reverse_kl": [h.get("reverse_kl") for h in hist], "teacher_pool": pool.stats().as_dict()}
+    (out / "report.json").write_text(json.dumps(rep, indent=1))
+    con.print(f"OPD {len(hist)} steps, held-out pass@1 {after['pass@1']:.2f} {after['domain']}; "
+              f"teacher swaps {rep['teacher_pool'].get('swaps')}; policy → {out / 'checkpoint'}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="SFT warm start, SAO, multi-teacher OPD, resume")
+    tsub = t.add_subparsers(dest="sub", required=True)
+
+    def common(p, init_required=False):
+        p.add_argument("--preset", default="tiny")
+        p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+        p.add_argument("--out", required=True)
+        p.add_argument("--init", required=init_required, default=None, help="HF-layout checkpoint to start from")
+
+    s = tsub.add_parser("sft", help="warm start on oracle trajectories of verified environments")
+    common(s)
+    s.set_defaults(fn=cmd_sft)
+    r = tsub.add_parser("sao", help="asynchronous SAO with the embedded engine")
+    common(r)
+    r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--save-every", type=int, default=5)
+    r.set_defaults(fn=cmd_sao)
+    o = tsub.add_parser("opd", help="multi-teacher on-policy distillation")
+    common(o, init_required=True)
+    o.add_argument("--teacher", action="append", required=True, metavar="DOMAIN=CHECKPOINT")
+    o.add_argument("--resident", type=int, default=1, help="teachers kept in memory")
+    o.add_argument("--steps", type=int, default=20)
+    o.set_defaults(fn=cmd_opd)
+    z = tsub.add_parser("resume", help="continue a killed SAO run from its last checkpoint")
+    z.add_argument("--out", required=True)
+    z.set_defaults(fn=cmd_resume)

@@ -1,0 +1,26 @@
+"""`temper train sft | sao | resume | opd` end to end on the micro preset (seconds, not learning)."""
+
+import json
+
+from pipelines.cli import main
+
+
+def test_sft_then_sao_then_resume_then_opd(tmp_path):
+    o = ["-o", "train.max_seconds=4", "-o", "train.batch_size=4"]
+    assert main(["train", "sft", "--preset", "micro", *o, "--out", str(tmp_path / "sft")]) == 0
+    rep = json.loads((tmp_path / "sft" / "report.json").read_text())
+    assert rep["steps"] > 0 and 0 <= rep["pass@1_after"] <= 1
+    ck = str(tmp_path / "sft" / "checkpoint")
+    assert main(["train", "sao", "--preset", "micro", "--init", ck, "--steps", "2", "--save-every", "1",
+                 "--out", str(tmp_path / "sao")]) == 0
+    run = json.loads((tmp_path / "sao" / "run.json").read_text())
+    run["args"]["steps"] = 3
+    (tmp_path / "sao" / "run.json").write_text(json.dumps(run))
+    assert main(["train", "resume", "--out", str(tmp_path / "sao")]) == 0
+    rep = json.loads((tmp_path / "sao" / "report.json").read_text())
+    assert rep["steps"] == 3 and len(rep["reward_curve"]) == 1  # only the one missing step ran
+    assert main(["train", "opd", "--preset", "micro", "--init", ck, "--teacher", f"reasoning={ck}",
+                 "--teacher", f"math={tmp_path / 'sao' / 'checkpoint'}", "--steps", "2",
+                 "--out", str(tmp_path / "opd")]) == 0
+    rep = json.loads((tmp_path / "opd" / "report.json").read_text())
+    assert rep["steps"] == 2 and rep["teacher_pool"]["loads"] >= 2
