@@ -1,0 +1,113 @@
+"""Backends: two-process gloo data parallelism reproduces single-process gradients and steps, including
+parameters that get a gradient on only some ranks (MoE routing, MTP) or on none."""
+
+import pytest
+import torch
+from torch import nn
+
+import configs
+from model import Transformer, next_token_loss
+from trainers.backends import DDPBackend, TorchBackend, launch
+
+SEQ = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread for in-process steps: two threads oversubscribe a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _batch() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 256, (4, SEQ), generator=g)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _train_step(backend, model: Transformer, ids: torch.Tensor):
+    """One data-parallel step; returns (mean-reduced grads, params after AdamW, router biases after)."""
+    model = backend.wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backend.backward(next_token_loss(model(ids), ids))
+    backend.all_reduce_grads(model)
+    grads = _grads(model)
+    backend.step(opt)
+    model.update_router_bias(0.1)
+    biases = [m.gate.e_score_correction_bias.clone() for m in model.moe_layers()]
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, biases
+
+
+class TwoBranch(nn.Module):
+    """Rank 0 uses branch `a` only, rank 1 both; `never` is used by no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.never = nn.Linear(3, 1), nn.Linear(3, 1), nn.Linear(3, 1)
+
+
+def _ddp_worker(backend: DDPBackend, ids: torch.Tensor):
+    assert backend.world_size == 2 and backend.is_main == (backend.rank == 0)
+    torch.manual_seed(1000 + backend.rank)  # different init per rank: wrap() must broadcast rank 0's
+    model = Transformer(configs.load("micro").model)
+    local = ids[2 * backend.rank : 2 * backend.rank + 2]
+    lm = _train_step(backend, model, local)
+
+    torch.manual_seed(5)
+    tb = backend.wrap(TwoBranch())
+    x = torch.ones(2, 3) * (backend.rank + 1)
+    loss = tb.a(x).sum() + (tb.b(x).sum() if backend.rank == 1 else 0)
+    backend.backward(loss)
+    backend.all_reduce_grads(tb)
+    backend.barrier()
+    return lm, _grads(tb)
+
+
+def test_two_process_ddp_matches_single_process():
+    ids = _batch()
+    # Rank 0's initial weights are seed 1000's; the reference starts from the same ones.
+    torch.manual_seed(1000)
+    ref_model = Transformer(configs.load("micro").model)
+    ref_grads, ref_params, ref_biases = _train_step(TorchBackend(), ref_model, ids)
+
+    (lm0, tb0), (lm1, tb1) = launch(_ddp_worker, 2, ids)
+
+    for grads, params, biases in (lm0, lm1):
+        assert grads.keys() == ref_grads.keys()
+        for n, g in ref_grads.items():
+            if g is None:  # e.g. MTP layers: no rank produced a gradient, so none is invented
+                assert grads[n] is None, n
+            else:
+                torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=n)
+        for n, p in ref_params.items():
+            # Adam divides by |g| + eps, which magnifies summation-order differences (~1e-11) of
+            # near-zero gradients: agreement to 1% of the learning rate is the meaningful bound.
+            torch.testing.assert_close(params[n], p, atol=1e-4, rtol=0, msg=n)
+        for b, rb in zip(biases, ref_biases):  # router bias update saw the global expert load
+            torch.testing.assert_close(b, rb, atol=0, rtol=0)
+    assert any(g is None for g in ref_grads.values()) and any(g is not None for g in ref_grads.values())
+    for n in lm0[1]:  # after one step the ranks agree exactly
+        assert torch.equal(lm0[1][n], lm1[1][n]), n
+
+    # Unused parameters: `b` only has a gradient on rank 1 → averaged with rank 0's implicit zero.
+    torch.manual_seed(5)
+    ref = TwoBranch()
+    (ref.a(torch.ones(2, 3)).sum() + ref.a(2 * torch.ones(2, 3)).sum() + ref.b(2 * torch.ones(2, 3)).sum()).backward()
+    for got in (tb0, tb1):
+        for n in ("a.weight", "a.bias", "b.weight", "b.bias"):
+            torch.testing.assert_close(got[n], dict(ref.named_parameters())[n].grad / 2, msg=n)
+        assert got["never.weight"] is None and got["never.bias"] is None
+
+
+def test_torch_backend_and_launch_errors():
+    b = TorchBackend()
+    assert (b.rank, b.world_size, b.is_main) == (0, 1, True)
+    m = nn.Linear(2, 1)
+    assert b.wrap(m) is m
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_ddp_worker, 0)

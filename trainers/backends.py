@@ -1,0 +1,248 @@
+"""Training backends: the few collective operations a trainer needs, behind one interface.
+
+A trainer written against `TrainBackend` runs unchanged on one process (`TorchBackend`), on several
+CPU/GPU processes with torch.distributed (`DDPBackend`), and later on a Megatron-core backend that
+implements the same methods with its own parallel state (TP/PP/EP/CP). One step reads::
+
+    model = backend.wrap(model)          # same weights on every rank
+    loss = ...                           # this rank's share of the global batch
+    backend.backward(loss)
+    backend.all_reduce_grads(model)      # every rank now holds the global-batch mean gradient
+    clip_grad_norm_(model.parameters(), c)   # identical on every rank
+    backend.step(optimizer)
+    if backend.is_main: save_training_state(...)
+
+`DDPBackend` averages gradients by hand with `all_reduce` instead of wrapping the model in
+`torch.nn.parallel.DistributedDataParallel`, for two reasons:
+
+* DDP hooks only `module.forward`; the trainers call `model.run(...)` and `model.mtp(...)` (losses on
+  hidden states, MTP drafts, indexer statistics), which would bypass DDP's bookkeeping.
+* MoE routing, DSA (the indexer gets no gradient from the LM loss) and MTP make the set of parameters
+  that receive a gradient differ between steps and between ranks. The manual reduction handles that
+  exactly like a single process on the whole batch would: a gradient that exists on any rank is
+  averaged over all ranks with zeros where a rank had none (its contribution to the batch mean is zero);
+  a parameter no rank touched keeps `grad is None`, so the optimizer skips it as it would on one
+  process (AdamW would otherwise decay its moments and move it).
+
+It also sums the MoE expert-load counters over ranks, so the aux-loss-free router-bias update after
+the step sees the global load and keeps the router biases identical on every rank.
+
+The average over ranks equals the global-batch mean only when every rank's loss is a mean over the
+same number of tokens; with uneven masks, scale each rank's loss by
+`local_tokens * world_size / global_tokens` first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.layers import MoE
+
+
+class TrainBackend(ABC):
+    """What a trainer asks of its parallel runtime. `rank` / `world_size` describe the data-parallel
+    group; `is_main` is the rank that writes checkpoints and logs."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Prepare a model for training (same initial weights on every rank); returns the module to use."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate this rank's loss."""
+
+    @abstractmethod
+    def all_reduce_grads(self, model: nn.Module) -> None:
+        """Make every rank's gradients the mean over ranks (see the module docstring for None grads)."""
+
+    @abstractmethod
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the optimizer step (after `all_reduce_grads`)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+
+
+class TorchBackend(TrainBackend):
+    """One process: plain autograd, reductions are no-ops."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = 0, 1
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def all_reduce_grads(self, model: nn.Module) -> None:
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def barrier(self) -> None:
+        return None
+
+
+class DDPBackend(TrainBackend):
+    """Data parallelism over a torch.distributed process group (gloo by default: CPU, no extra deps).
+
+    Joins the default process group if none exists (reading MASTER_ADDR / MASTER_PORT from the
+    environment, as `launch` sets them); `close()` leaves it again if this object created it.
+    Gradients are averaged with one flag reduction plus bucketed `all_reduce` calls (flat buffers of at
+    most `bucket_bytes`)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        bucket_bytes: int = 32 << 20,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.bucket_bytes = bucket_bytes
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, not {rank} of {world_size}"
+            )
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Broadcast rank 0's parameters and buffers to every rank; returns the model itself."""
+        with torch.no_grad():
+            for t in _unique([*model.parameters(), *model.buffers()]):
+                dist.broadcast(t.data, src=0)
+        return model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @torch.no_grad()
+    def all_reduce_grads(self, model: nn.Module) -> None:
+        params = [p for p in _unique(model.parameters()) if p.requires_grad]
+        if not params:
+            return
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has, op=dist.ReduceOp.SUM)
+        live = []
+        for p, n in zip(params, has.tolist()):
+            if n == 0:
+                continue  # no rank produced a gradient: leave it None everywhere
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            live.append(p.grad)
+        for bucket in _buckets(live, self.bucket_bytes):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= self.world_size
+            off = 0
+            for g in bucket:
+                g.copy_(flat[off : off + g.numel()].view_as(g))
+                off += g.numel()
+        for m in model.modules():
+            if isinstance(m, MoE):
+                dist.all_reduce(m.expert_load, op=dist.ReduceOp.SUM)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def _unique(tensors) -> list[torch.Tensor]:
+    """Tensors in order, each once (tied weights appear twice in `model.parameters()` otherwise)."""
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Group gradients of one dtype and device into lists of at most `limit` bytes (one tensor may exceed it)."""
+    out: list[list[torch.Tensor]] = []
+    cur: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nb = g.numel() * g.element_size()
+        if cur and (size + nb > limit or g.dtype != cur[0].dtype or g.device != cur[0].device):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(g)
+        size += nb
+    if cur:
+        out.append(cur)
+    return out
+
+
+# ---- launching ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process could take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    torch.set_num_threads(threads)
+    backend = DDPBackend(rank, world_size)
+    try:
+        result = fn(backend, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        backend.close()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+    """Run `fn(backend, *args)` in `world_size` fresh processes joined by a gloo group on 127.0.0.1.
+
+    Each process gets a `DDPBackend` of its rank and `torch.set_num_threads(threads)`. `fn` must be
+    importable by name (a module-level function: the children are started with the `spawn` method).
+    Returns the per-rank results in rank order (passed back through `torch.save` files in a temporary
+    directory, so tensors and plain Python objects work). A failing rank raises
+    `torch.multiprocessing.ProcessRaisedException` with its traceback, after the others are stopped.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    out_dir = tempfile.mkdtemp(prefix="temper-launch-")
+    try:
+        torch.multiprocessing.spawn(
+            _worker, args=(fn, world_size, free_port(), out_dir, threads, args), nprocs=world_size, join=True
+        )
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
