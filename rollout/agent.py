@@ -98,9 +98,12 @@ class Agent:
                 room = cfg.max_context - len(seg.tokens)
                 reserve = summary_cost if compactions < cfg.max_compactions else 0
                 if room < max(cfg.compact_margin, reserve) + cfg.max_action_tokens and reserve:
+                    budget = min(cfg.summary_tokens, room - len(ask) - 1)
+                    if budget < 4:
+                        break  # not even room to write a summary
                     seg.add(ask)
                     g0 = time.perf_counter()
-                    ids, lps, vers, engine = await self._gen(seg, cfg.summary_tokens, tid)
+                    ids, lps, vers, engine = await self._gen(seg, budget, tid)
                     timings["generate"] += time.perf_counter() - g0
                     generated += len(ids)
                     seg.add(ids, True, lps, vers)
@@ -111,9 +114,14 @@ class Agent:
                     seg.add([self.tpl.role_ids["user"], *self.tok.encode("Summary of earlier work: "), *summary,
                              self.tpl.end_id])
                     seg.add([self.tpl.role_ids["assistant"]])
-                    for act, _lp, _v, obs in pairs[-2:]:  # the last two pairs, whole, as context
-                        seg.add(act + obs)
                     compactions += 1
+                    keep = pairs[-2:]  # the last two pairs, whole, as context — as many as leave room to act
+                    nxt = summary_cost if compactions < cfg.max_compactions else 0
+                    while keep and (len(seg.tokens) + sum(len(a) + len(o) for a, _l, _v, o in keep)
+                                    + max(cfg.compact_margin, nxt) + cfg.max_action_tokens > cfg.max_context):
+                        keep = keep[1:]
+                    for act, _lp, _v, obs in keep:
+                        seg.add(act + obs)
                     continue
                 if room - reserve <= 8:
                     break  # out of context and out of compactions

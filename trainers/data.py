@@ -43,3 +43,37 @@ def lm_batches(ids: list[int], seq_len: int, batch_size: int, seed: int = 0) -> 
     while True:
         starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=g)
         yield torch.stack([data[s : s + seq_len] for s in starts.tolist()]), None
+
+
+_KEYS = ["ink", "cup", "map", "gem", "hat", "owl", "fox", "jar", "kit", "log", "net", "oak", "pea", "ram", "sun", "toy"]
+_CONSTS = ["RATE", "SIZE", "LIMIT", "DEPTH", "WIDTH", "RETRIES", "BATCH", "STEPS"]
+_OPS = [("add", "+"), ("subtract", "-"), ("multiply by", "*")]
+
+
+def copy_corpus(n_lines: int, seed: int = 0) -> str:
+    """A pretraining corpus of lookup and copy patterns — the skills agent tasks are made of (find a key's
+    value in a listing, carry numbers and names from a sentence into a call, repeat the latest result) —
+    in free text, not in the tool-call format and not from any task family's generator."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.randrange(4)
+        if kind == 0:
+            keys = rng.sample(_KEYS, 3)
+            vals = [str(rng.randint(100, 999)) for _ in keys]
+            k = rng.randrange(3)
+            f = f"box{rng.randint(1, 9)}.txt"
+            listing = " ".join(f"{a}={b}" for a, b in zip(keys, vals))
+            lines.append(f"in {f}: {listing}. so {keys[k]} in {f} is {vals[k]}.")
+        elif kind == 1:
+            a, b = rng.randint(11, 99), rng.randint(2, 99)
+            word, sym = rng.choice(_OPS)
+            lines.append(f"start with {a}, {word} {b}: that is {a}{sym}{b}.")
+        elif kind == 2:
+            c = rng.choice(_CONSTS)
+            old, new = rng.sample(range(1, 10), 2)
+            lines.append(f"set {c} (now {old}) to {new}: change '{c} = {old}' into '{c} = {new}'.")
+        else:
+            v = rng.randint(-99, 9999)
+            lines.append(f"the result was {v}. the answer is {v}.")
+    return "\n".join(lines) + "\n"

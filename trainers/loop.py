@@ -56,7 +56,9 @@ class RLLoop:
         self.on_trajectory = on_trajectory
         self.pushes: list[dict] = []
         self.finished = 0
-        self._q: queue.Queue[Trajectory] = queue.Queue()
+        # bounded: when the trainer falls behind, rollouts wait instead of piling up trajectories that the
+        # staleness bound would later drop
+        self._q: queue.Queue[Trajectory] = queue.Queue(maxsize=self.cfg.batch_size)
         self._stop = threading.Event()
         self._cursor = 0
 
@@ -82,7 +84,7 @@ class RLLoop:
         async def worker(agent: Agent):
             while not self._stop.is_set():
                 t = await agent.run(self._next_spec(), self.iteration)
-                self._emit(t)
+                await asyncio.to_thread(self._emit, t)
 
         async def main():
             agent = Agent(EnginePolicy(self.engine), self.tok, self.sandbox, self.agent_cfg)
@@ -94,7 +96,12 @@ class RLLoop:
         self.finished += 1
         if self.on_trajectory is not None:
             self.on_trajectory(t)
-        self._q.put(t)
+        while not self._stop.is_set():
+            try:
+                self._q.put(t, timeout=0.2)
+                return
+            except queue.Full:
+                continue
 
     # ---- driver ---------------------------------------------------------------------------------------
     def run(self, steps: int, on_step: Callable[[dict], None] | None = None, max_seconds: float | None = None) -> list[dict]:
@@ -105,6 +112,9 @@ class RLLoop:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
         try:
+            if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and self.trainer.steps == 0:
+                first = self._collect()  # value pre-training on the first batch, before any actor update
+                self.trainer.value_pretrain(first)
             for step in range(steps):
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                     break

@@ -163,15 +163,18 @@ class SAOTrainer:
         if self.critic is None:
             return []
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
+        if not trajs:
+            return []
         rows = layout(trajs)
         _, ret = self.advantages(trajs, rows)
         return [self._critic_update(rows, ret) for _ in range(self.cfg.value_pretrain_steps if steps is None else steps)]
 
     def step(self, trajs: list[Trajectory], current_version: int) -> dict:
         kept = self.select(trajs, current_version)
-        stats: dict = {"trajectories": len(kept), **{f"dropped_{k}": v for k, v in self.dropped.items()}}
+        stats: dict = {"trajectories": len(kept), "step": self.steps,
+                       **{f"dropped_{k}": v for k, v in self.dropped.items()}}
         if not kept:
-            return stats
+            return stats  # everything was stale or crashed: no update, the counters say why
         self.actor.train()
         rows = layout(kept)
         adv, ret = self.advantages(kept, rows)

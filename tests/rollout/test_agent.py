@@ -145,3 +145,26 @@ def test_many_episodes_against_a_live_engine_through_the_router(micro_model, san
     assert all(t.status in ("completed", "truncated") for t in trajs)
     assert all(t.n_trainable > 0 and t.engine.startswith("http://127.0.0.1") for t in trajs)
     assert sum(e.stats.reused_tokens for e in engines) > 0  # later turns reused their episode's prefix
+
+
+def test_tight_context_never_asks_the_engine_for_more_than_fits(sandbox):
+    """Every request the loop makes fits the context, however the compaction budget falls."""
+    spec = FAMILIES["kv-lookup"].make(5, {"horizon": 4})
+    limit = 300
+
+    class Bounded(Scripted):
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            n = sampling_params["max_new_tokens"]
+            assert n >= 1 and len(input_ids) + n <= limit
+            out = await super().generate(input_ids, sampling_params, **kw)  # an engine stops at max_new_tokens
+            out["output_ids"] = out["output_ids"][:n]
+            out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:n]
+            out["meta_info"]["output_token_versions"] = out["meta_info"]["output_token_versions"][:n]
+            return out
+
+    for margin, summary in ((64, 96), (200, 40), (0, 8)):
+        cfg = AgentConfig(system_prompt="Use tools.", max_context=limit, compact_margin=margin, summary_tokens=summary,
+                          max_action_tokens=32, max_compactions=3)
+        t = asyncio.run(Agent(Bounded(["<tool_call>read box1.txt</tool_call>"] * 30), TOK, sandbox, cfg).run(spec))
+        assert t.status in ("truncated", "completed") and t.error is None
+        assert all(len(s.tokens) <= limit for s in t.segments)
