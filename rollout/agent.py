@@ -181,12 +181,17 @@ async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, 
 class ScriptedPolicy:
     """A policy that replays fixed tool calls (oracles for SFT data, probes, tests); log-probs are 0."""
 
-    def __init__(self, tokenizer: Tokenizer, actions: list[str], version: int = 0):
-        self.tok, self.actions, self.version = tokenizer, list(actions), version
-        self.end = ChatTemplate(tokenizer).end_id
+    def __init__(self, tokenizer: Tokenizer, actions: list[str], version: int = 0, summary: str = "progress noted"):
+        self.tok, self.actions, self.version, self.summary = tokenizer, list(actions), version, summary
+        tpl = ChatTemplate(tokenizer)
+        self.end = tpl.end_id
+        self.ask = tpl.render([{"role": "user", "content": SUMMARY_PROMPT}]).ids + [tpl.role_ids["assistant"]]
 
     async def generate(self, input_ids, sampling_params=None, **kw) -> dict:
-        text = self.actions.pop(0) if self.actions else "<tool_call>done</tool_call>"
+        if list(input_ids[-len(self.ask):]) == self.ask:  # asked to compact: answer without using up an action
+            text = self.summary
+        else:
+            text = self.actions.pop(0) if self.actions else "<tool_call>done</tool_call>"
         ids = self.tok.encode(text, allow_special=True) + [self.end]
         return {"output_ids": ids, "meta_info": {"output_token_logprobs": [[0.0, t, None] for t in ids],
                                                  "output_token_versions": [self.version] * len(ids)}}

@@ -53,12 +53,14 @@ class OPDConfig(BaseModel):
     outcome_alpha: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
     micro_rows: int = Field(default=8, gt=0)
+    steps: int = Field(default=10, ge=0)  # OPD steps in one iteration
 
 
 class LoopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["async", "sync"] = "async"
+    steps: int = Field(default=20, ge=0)  # SAO steps per expert in one iteration
     batch_size: int = Field(default=8, gt=0)
     push_every: int = Field(default=1, gt=0)
     in_flight: int = Field(default=8, gt=0)

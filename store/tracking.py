@@ -1,0 +1,79 @@
+"""MLflow tracking, called directly (one run per iteration, nested runs per stage, batched metrics).
+
+Only this room imports mlflow. The tracking URI defaults to a sqlite file (MLflow 3's default store);
+telemetry is off.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str, experiment: str = "temper"):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.uri = tracking_uri
+
+    def start(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:
+        t = dict(tags or {})
+        if parent_run_id:
+            t["mlflow.parentRunId"] = parent_run_id
+        return self.client.create_run(self.experiment_id, run_name=name, tags=t).info.run_id
+
+    def iteration_run(self, iteration: str) -> str:
+        """The iteration's run (created once, found again on retries)."""
+        runs = self.client.search_runs([self.experiment_id], f"tags.temper_iteration = '{iteration}' and "
+                                                             "tags.temper_kind = 'iteration'", max_results=1)
+        if runs:
+            return runs[0].info.run_id
+        return self.start(f"iteration-{iteration}", tags={"temper_iteration": iteration, "temper_kind": "iteration"})
+
+    def log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict | None = None,
+            steps: dict[str, list[float]] | None = None) -> None:
+        from mlflow.entities import Metric, Param
+
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
+        for k, vals in (steps or {}).items():
+            ms += [Metric(k, float(v), now, i) for i, v in enumerate(vals)]
+        ps = [Param(k, str(v)[:500]) for k, v in (params or {}).items()]
+        for i in range(0, max(len(ms), 1), 900):
+            self.client.log_batch(run_id, metrics=ms[i : i + 900], params=ps if i == 0 else [])
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+    def artifact(self, run_id: str, path: str | Path) -> None:
+        self.client.log_artifact(run_id, str(path))
+
+    def register_student(self, name: str, run_id: str, checkpoint: str, score: float) -> dict:
+        """Register the student as a model version; move the `champion` alias only when it beats the champion."""
+        try:
+            self.client.get_registered_model(name)
+        except Exception:  # noqa: BLE001 - mlflow raises its own not-found error type
+            self.client.create_registered_model(name)
+        mv = self.client.create_model_version(name, source=str(checkpoint), run_id=run_id,
+                                              tags={"pass_at_1": f"{score:.4f}"})
+        try:
+            champ = self.client.get_model_version_by_alias(name, "champion")
+            best = float(champ.tags.get("pass_at_1", "-1"))
+        except Exception:  # noqa: BLE001 - no champion yet
+            best = -1.0
+        moved = score > best
+        if moved:
+            self.client.set_registered_model_alias(name, "champion", mv.version)
+        return {"version": int(mv.version), "champion_moved": moved, "previous_best": best}
+
+    def run_link(self, run_id: str) -> str:
+        return f"{self.uri} · experiment {self.experiment_id} · run {run_id}"

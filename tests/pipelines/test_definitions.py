@@ -1,0 +1,76 @@
+"""The Dagster definitions: load, materialise a whole iteration on `micro`, lineage across iterations,
+blocking checks, MLflow, schedule and sensor."""
+
+import dagster as dg
+import pytest
+
+from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, TemperResource
+from pipelines.definitions import defs, next_iteration_on_evaluation, recurring_iterations
+
+FAST = ["train.max_seconds=3", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false",
+        "loop.steps=1", "opd.steps=1", "sao.value_pretrain_steps=1"]
+
+
+def test_definitions_load_and_validate():
+    dg.Definitions.validate_loadable(defs)
+    keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert keys == {"env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts",
+                    "opd_student", "evaluation"}
+    assert defs.resolve_job_def("iteration").partitions_def == ITERATIONS
+    assert {s.name for s in defs.schedules} == {"recurring_iterations"}
+
+
+@pytest.fixture
+def instance(tmp_path):
+    (tmp_path / "dagster").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as inst:
+        yield inst
+
+
+def _run(instance, tmp_path, iteration, overrides=FAST):
+    instance.add_dynamic_partitions(ITERATIONS.name, [iteration])
+    res = TemperResource(preset="micro", overrides=overrides, run_root=str(tmp_path / "runs"))
+    return dg.materialize(ALL_ASSETS + ALL_CHECKS, partition_key=iteration, instance=instance,
+                          resources={"temper": res}, raise_on_error=False)
+
+
+def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
+    r1 = _run(instance, tmp_path, "1")
+    assert r1.success
+    mats = {e.asset_key.to_user_string(): e for e in r1.get_asset_materialization_events()}
+    assert set(mats) >= {"env_specs", "verified_envs", "warm_start", "evaluation"}
+    student1 = mats["opd_student"].materialization.metadata["checkpoint"].value
+    r2 = _run(instance, tmp_path, "2")
+    assert r2.success
+    ws2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["warm_start"]
+    assert ws2.materialization.metadata["parent_checkpoint"].value == student1  # iteration 2 starts from 1
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{(tmp_path / 'runs').resolve() / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("temper")
+    runs = client.search_runs([exp.experiment_id], "tags.temper_kind = 'iteration'")
+    assert len(runs) == 2 and all("pass_at_1_after" in r.data.metrics for r in runs)
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert client.get_model_version_by_alias("temper-student", "champion") is not None
+
+
+def test_failing_triad_check_blocks_downstream(instance, tmp_path):
+    res = _run(instance, tmp_path, "1", FAST + ["envs.n_train=0"])
+    assert not res.success
+    done = {e.asset_key.to_user_string() for e in res.get_asset_materialization_events()}
+    assert done == {"env_specs", "verified_envs"}  # nothing after the blocking check ran
+    checks = {e.event_specific_data.check_name: e.event_specific_data.passed
+              for e in res.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+    assert checks.get("triad_pass_rate") is False
+
+
+def test_schedule_and_sensor_requests(instance):
+    ctx = dg.build_schedule_context(instance=instance)
+    req = recurring_iterations(ctx)
+    assert req.partition_key == "1" and "1" in instance.get_dynamic_partitions(ITERATIONS.name)
+    sctx = dg.build_sensor_context(instance=instance)
+    assert isinstance(next_iteration_on_evaluation(sctx), dg.SkipReason)
+    instance.report_runless_asset_event(dg.AssetMaterialization("evaluation", partition="1"))
+    out = next_iteration_on_evaluation(dg.build_sensor_context(instance=instance))
+    assert [r.partition_key for r in out.run_requests] == ["2"]
+    assert out.dynamic_partitions_requests[0].partition_keys == ["2"]
