@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean sandbox-deps
+.PHONY: run test lint bench clean sandbox-deps ui
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ run: $(STAMP) sandbox-deps
 
 test: $(STAMP) sandbox-deps
 	$(BIN)/python -m pytest -q tests
+
+# Dagster (3000) and MLflow (5000) UIs on 127.0.0.1; Ctrl-C stops both.
+ui: $(STAMP) sandbox-deps
+	$(BIN)/python -m pipelines.ui
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
