@@ -38,3 +38,17 @@ def table(title: str, header: list[str], rows: list[list[object]]) -> None:
 
 def threads() -> int:
     return torch.get_num_threads()
+
+
+def reference_glm_config(**kw):
+    """REFERENCE.md's baseline: hidden 128, 4 layers, 8 experts top-2, "FSSS" indexers (transformers config)."""
+    from transformers import GlmMoeDsaConfig
+
+    base = dict(
+        vocab_size=272, hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        index_topk=64, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1,
+        indexer_types=["full", "shared", "shared", "shared"], max_position_embeddings=4096,
+    )
+    return GlmMoeDsaConfig(**{**base, **kw})

@@ -10,7 +10,7 @@ import tempfile
 import time
 
 import torch
-from common import table, threads
+from common import reference_glm_config, table, threads
 
 from model import load_checkpoint
 from rollout.engine import Engine, GenRequest
@@ -24,17 +24,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     args = ap.parse_args()
     import transformers
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from transformers import GlmMoeDsaForCausalLM
 
     transformers.logging.set_verbosity_error()
-    hf_cfg = GlmMoeDsaConfig(
-        vocab_size=272, hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-        kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-        index_topk=64, index_head_dim=32, index_n_heads=4, first_k_dense_replace=1,
-        indexer_types=["full", "shared", "shared", "shared"], max_position_embeddings=4096, eos_token_id=None,
-        pad_token_id=0,
-    )
+    hf_cfg = reference_glm_config(eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     hf = GlmMoeDsaForCausalLM(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as d:

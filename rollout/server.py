@@ -326,6 +326,18 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     def finish_reason(r: GenRequest) -> str:
         return "length" if (r.finish or {}).get("type") == "length" else "stop"
 
+    def submit_openai(req: GenRequest, cid: str, obj: str, chat: bool):
+        """Submit; returns the response to send now (an error, or the event stream) or None to wait."""
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            return bad(str(e), 503)
+        except EngineError as e:
+            return bad(str(e))
+        if req.stream:
+            return StreamingResponse(stream_openai(req, cid, obj, chat=chat), media_type="text/event-stream")
+        return None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         ids = engine.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
@@ -334,15 +346,9 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                             top_k=body.top_k, stop=stop, sampling_seed=body.seed)
         req = GenRequest(ids, sp, session_id=body.session_id, return_logprob=bool(body.logprobs), stream=body.stream)
         cid = f"cmpl-{req.rid}"
-        try:
-            engine.submit(req)
-        except QueueFull as e:
-            return bad(str(e), 503)
-        except EngineError as e:
-            return bad(str(e))
-        if body.stream:
-            return StreamingResponse(stream_openai(req, cid, "text_completion", chat=False),
-                                     media_type="text/event-stream")
+        early = submit_openai(req, cid, "text_completion", chat=False)
+        if early is not None:
+            return early
         r = await asyncio.wrap_future(req.future)
         choice = {"index": 0, "text": text_of(r), "finish_reason": finish_reason(r), "logprobs": None}
         if body.logprobs:
@@ -367,15 +373,9 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                             top_k=body.top_k, stop=stop, stop_token_ids=tpl.stop_ids, sampling_seed=body.seed)
         req = GenRequest(ids, sp, session_id=body.session_id, return_logprob=body.logprobs, stream=body.stream)
         cid = f"chatcmpl-{req.rid}"
-        try:
-            engine.submit(req)
-        except QueueFull as e:
-            return bad(str(e), 503)
-        except EngineError as e:
-            return bad(str(e))
-        if body.stream:
-            return StreamingResponse(stream_openai(req, cid, "chat.completion.chunk", chat=True),
-                                     media_type="text/event-stream")
+        early = submit_openai(req, cid, "chat.completion.chunk", chat=True)
+        if early is not None:
+            return early
         r = await asyncio.wrap_future(req.future)
         msg = {"role": "assistant", "content": text_of(r)}
         choice = {"index": 0, "message": msg, "finish_reason": finish_reason(r)}
