@@ -250,7 +250,20 @@ class Sandbox(ABC):
         return None
 
 
-class BwrapSandbox(Sandbox):
+class _MountedLayout:
+    """Where the tools, site-packages and workspace appear inside an isolated sandbox (bwrap, docker)."""
+
+    def tools_dir(self) -> str:
+        return SANDBOX_TOOLS
+
+    def site_dir(self) -> str:
+        return SANDBOX_SITE
+
+    def workdir(self, workspace: Path) -> str:
+        return "/work"
+
+
+class BwrapSandbox(_MountedLayout, Sandbox):
     name = "bwrap"
 
     def __init__(self, limits: Limits | None = None, bwrap: str | None = None):
@@ -263,15 +276,6 @@ class BwrapSandbox(Sandbox):
 
     def python(self) -> str:
         return str(Path(self.prefix) / "bin" / "python3")
-
-    def tools_dir(self) -> str:
-        return SANDBOX_TOOLS
-
-    def site_dir(self) -> str:
-        return SANDBOX_SITE
-
-    def workdir(self, workspace: Path) -> str:
-        return "/work"
 
     def uses_cgroup(self) -> bool:
         return self._root  # RLIMIT_NPROC does not bind root: use the pids controller
@@ -301,7 +305,7 @@ class BwrapSandbox(Sandbox):
         return a + argv
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(_MountedLayout, Sandbox):
     """Docker engine via the python SDK: no network, memory/pids/CPU limits, workspace bind-mounted."""
 
     name = "docker"
@@ -322,15 +326,6 @@ class DockerSandbox(Sandbox):
 
     def python(self) -> str:
         return "python3"
-
-    def tools_dir(self) -> str:
-        return SANDBOX_TOOLS
-
-    def site_dir(self) -> str:
-        return SANDBOX_SITE
-
-    def workdir(self, workspace: Path) -> str:
-        return "/work"
 
     def run(self, argv, workspace, stdin=None, limits=None, extra_ro=None, env=None) -> RunResult:
         lim = limits or self.limits

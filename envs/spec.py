@@ -62,16 +62,9 @@ class PublicTask(BaseModel):
     max_turns: int = Field(gt=0)
 
 
-class TaskSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TaskSpec(PublicTask):
+    """The public task plus everything the agent must not see."""
 
-    id: str
-    family: str
-    domain: Domain
-    instruction: str
-    files: dict[str, str]
-    tools: list[str]
-    max_turns: int = Field(gt=0)
     seed: int
     knobs: dict[str, Any] = Field(default_factory=dict)
     hidden: dict[str, Any] = Field(default_factory=dict)
@@ -84,8 +77,7 @@ class TaskSpec(BaseModel):
     verifier_hash: str = ""
 
     def public(self) -> PublicTask:
-        return PublicTask(id=self.id, family=self.family, domain=self.domain, instruction=self.instruction,
-                          files=self.files, tools=self.tools, max_turns=self.max_turns)
+        return PublicTask(**{k: getattr(self, k) for k in PublicTask.model_fields})
 
     def compute_hashes(self) -> TaskSpec:
         body = self.model_dump(mode="json", exclude={"spec_hash", "verifier_hash"})

@@ -58,6 +58,7 @@ import json
 import os
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -436,14 +437,14 @@ class _Cursors:
             self._all.clear()
 
 
-class _Queries:
+class _Queries(ABC):
     """Read methods shared by `TrajectoryStore` (database tables) and `ParquetReader` (exported files)."""
 
     _cursors: _Cursors
 
+    @abstractmethod
     def _sources(self, iteration: int | Iterable[int] | None) -> tuple[str, str] | None:
         """SQL table expressions for (trajectories, segments); None when there is nothing to read."""
-        raise NotImplementedError
 
     @contextmanager
     def _snapshot(self) -> Iterator[duckdb.DuckDBPyConnection]:

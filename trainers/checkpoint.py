@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from model import Transformer, load_checkpoint, save_checkpoint
+from model.checkpoint import replace_dir
 
 FORMAT = 1
 LATEST = "latest"
@@ -147,14 +148,7 @@ def save_training_state(
         _write_synced(tmp / META, json.dumps(meta, indent=2))
         _fsync_dir(tmp / POLICY)
         _fsync_dir(tmp)
-        if final.exists():
-            old = root / f".{name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        replace_dir(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
