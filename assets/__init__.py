@@ -1,5 +1,7 @@
-"""Dagster assets and checks of the iteration (the only room below `pipelines/` that imports dagster)."""
+"""Dagster assets, checks and resources of the iteration (the only room below `pipelines/` that imports dagster)."""
 
-from .iteration import ALL_ASSETS, ALL_CHECKS, ITERATIONS, TemperResource
+from .iteration import ALL_ASSETS, ALL_CHECKS, DOMAINS, ITERATIONS
+from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
 
-__all__ = ["ALL_ASSETS", "ALL_CHECKS", "ITERATIONS", "TemperResource"]
+__all__ = ["ALL_ASSETS", "ALL_CHECKS", "DOMAINS", "ITERATIONS", "RolloutBackend", "SandboxResource", "TemperResource",
+           "TrainerBackend"]

@@ -1,44 +1,28 @@
 """Dagster assets of one post-training iteration (partitioned by iteration number).
 
-Thin bodies: read the config, call `pipelines.stages`, record metadata. Stage outputs are JSON files
-under `<run_root>/iteration-N/`, so each asset reads what its parents wrote. Iteration N's warm start is
-iteration N−1's OPD student, looked up from the previous partition's materialisation (dynamic partitions
-cannot depend on themselves) and recorded as `parent_checkpoint` metadata.
+Thin bodies: read the config, run the stage, record metadata and MLflow. The long stages (validation, SFT,
+rollouts, SAO, OPD, evaluation) run as `python -m pipelines.step` subprocesses that report through Dagster
+Pipes, so cancelling a run kills them, and a retried step resumes from the stage's last checkpoint. Stage
+results are JSON files under `<run_root>/iteration-N/`, so each asset reads what its parents wrote.
+
+Iteration N's warm start is iteration N−1's OPD student, looked up from the previous partition's
+materialisation (dynamic partitions cannot depend on themselves) and recorded as `parent_checkpoint`
+metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
+import base64
 import json
+import sys
 from pathlib import Path
 
 import dagster as dg
 
+from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
+
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
 DOMAINS = ("code", "math", "reasoning")
-
-
-class TemperResource(dg.ConfigurableResource):
-    """The IterationConfig (a preset plus Launchpad overrides) and where runs and tracking live."""
-
-    preset: str = "tiny"
-    overrides: list[str] = []
-    run_root: str = "runs/pipeline"
-    mlflow_uri: str = ""
-
-    def config(self):
-        import configs
-
-        return configs.load(self.preset, self.overrides)
-
-    def dir(self, iteration: str) -> Path:
-        p = Path(self.run_root) / f"iteration-{int(iteration):04d}"
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-
-    def tracker(self):
-        from store.tracking import Tracker
-
-        uri = self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}"
-        return Tracker(uri)
+LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=1)
 
 
 def _save(d: Path, name: str, out: dict) -> None:
@@ -50,29 +34,65 @@ def _load(d: Path, name: str) -> dict:
 
 
 def _meta(out: dict) -> dict:
+    skip = {"curves", "reward_curve", "reverse_kl"}
     return {k: (dg.MetadataValue.json(v) if isinstance(v, dict | list) else v) for k, v in out.items()
-            if v is not None}
+            if v is not None and k not in skip}
+
+
+def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, sandbox: SandboxResource,
+           trainer: TrainerBackend, stage: str, result: Path, **kwargs) -> dict:
+    """Run `pipelines.stages.<stage>` in a Pipes subprocess; return the result it wrote."""
+    result.unlink(missing_ok=True)
+    pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step"], env=trainer.env(),
+              extras={"stage": stage, "preset": temper.preset, "overrides": temper.overrides + sandbox.overrides(),
+                      "kwargs": kwargs, "result": str(result)})
+    return json.loads(result.read_text())
+
+
+def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,
+           params: dict | None = None) -> dict:
+    """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation."""
+    tr = temper.tracker()
+    run = tr.stage_run(tr.iteration_run(iteration), iteration, stage)
+    curves = out.get("curves") or {}
+    tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params, steps=curves)
+    meta = {"mlflow_run": dg.MetadataValue.url(temper.run_url(tr, run)) if temper.mlflow_ui
+            else dg.MetadataValue.text(tr.run_link(run))}
+    png = tr.log_plot(run, f"iteration {iteration} · {stage}", curves, temper.dir(iteration) / "plots" / f"{stage}.png")
+    if png is not None:
+        meta["plot"] = dg.MetadataValue.md(f"![{stage}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})")
+        meta["plot_path"] = dg.MetadataValue.path(str(png))
+    return meta
+
+
+def _partition(context) -> str:
+    return context.run.tags.get("dagster/partition") or context.partition_key
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", description="Task specs generated from the patterns")
 def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     from pipelines import stages
 
-    d = temper.dir(context.partition_key)
+    it = context.partition_key
+    d = temper.dir(it)
     out = stages.env_specs(temper.config(), d / "envs")
     _save(d, "env_specs", out)
-    return dg.MaterializeResult(metadata=_meta(out))
+    meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"]},
+                  {"train_dir": out["train"], "eval_dir": out["eval"]})
+    return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[env_specs],
-          description="Specs that passed the solvability judge, the triad and the hack probes")
-def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
-
-    d = temper.dir(context.partition_key)
-    out = stages.verified_envs(temper.config(), _load(d, "env_specs"), d / "verified")
-    _save(d, "verified_envs", out)
-    return dg.MaterializeResult(metadata=_meta(out))
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[env_specs], retry_policy=LONG_STEP_RETRY,
+          description="Specs that passed the solvability judge, the triad and the hack probes (in the sandbox)")
+def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+                  sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    out = _stage(context, pipes, temper, sandbox, trainer, "verified_envs", d / "verified_envs.json",
+                 specs=_load(d, "env_specs"), out=str(d / "verified"))
+    meta = _track(temper, it, "verified_envs", out, {"accepted": out["accepted"], "triad_pass_rate": out["triad_pass_rate"],
+                                                     "accepted_probe_hits": out["accepted_probe_hits"]})
+    return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
 @dg.asset_check(asset=verified_envs, blocking=True, description="Enough environments pass the verifier triad")
@@ -89,10 +109,6 @@ def hack_probes(context: dg.AssetCheckExecutionContext, temper: TemperResource) 
                                metadata={"accepted_probe_hits": out["accepted_probe_hits"]})
 
 
-def _partition(context) -> str:
-    return context.run.tags.get("dagster/partition") or context.partition_key
-
-
 def _previous_student(context: dg.AssetExecutionContext, iteration: str) -> str | None:
     prev = str(int(iteration) - 1)
     if int(prev) < 1:
@@ -104,84 +120,121 @@ def _previous_student(context: dg.AssetExecutionContext, iteration: str) -> str 
     return res.records[0].asset_materialization.metadata["checkpoint"].value
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[verified_envs],
+def _domain_metrics(prefix: str, domains: dict) -> dict:
+    return {f"{prefix}_{k}": v for k, v in domains.items()}
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[verified_envs], retry_policy=LONG_STEP_RETRY,
           description="The policy this iteration starts from: SFT warm start (iteration 1) or the previous student")
-def warm_start(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
+def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+               sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    parent = _previous_student(context, it)
+    out = _stage(context, pipes, temper, sandbox, trainer, "warm_start", d / "warm_start.json",
+                 envs=_load(d, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
+    meta = _track(temper, it, "warm_start", out, {"pass_at_1": out["pass@1"], **_domain_metrics("pass_at_1", out["domain"])},
+                  {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none"})
+    return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or "none (SFT from scratch)"})
 
-    d = temper.dir(context.partition_key)
-    parent = _previous_student(context, context.partition_key)
-    out = stages.warm_start(temper.config(), _load(d, "verified_envs"), d / "warm_start", parent)
-    _save(d, "warm_start", out)
-    return dg.MaterializeResult(metadata={**_meta(out), "parent_checkpoint": parent or "none (SFT from scratch)"})
 
-
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start],
-          description="One rollout per verified environment, in the DuckDB trajectory store")
-def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
-
-    d = temper.dir(context.partition_key)
-    out = stages.rollout_batches(temper.config(), _load(d, "warm_start")["checkpoint"], _load(d, "verified_envs"),
-                                 Path(temper.run_root) / "trajectories.duckdb", int(context.partition_key))
-    _save(d, "rollout_batches", out)
-    return dg.MaterializeResult(metadata=_meta(out))
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start], pool="duckdb_writer",
+          retry_policy=LONG_STEP_RETRY, description="One rollout per verified environment, in the DuckDB trajectory store")
+def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+                    sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    cfg = temper.config()
+    with rollout.serving(cfg) as (urls, router_url):
+        out = _stage(context, pipes, temper, sandbox, trainer, "rollout_batches", d / "rollout_batches.json",
+                     checkpoint=_load(d, "warm_start")["checkpoint"], envs=_load(d, "verified_envs"),
+                     store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
+    meta = _track(temper, it, "rollout_batches", out, {"trajectories": out["trajectories"], "tokens": out["tokens"],
+                                                       "mean_reward": out["mean_reward"]},
+                  {"backend": rollout.kind, "store": out["store"]})
+    return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rollout_batches],
-          description="Verifier rewards of the rollouts, per family and status")
+          description="Verifier rewards of the rollouts, per family and status (DuckDB)")
 def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
-
-    d = temper.dir(context.partition_key)
-    out = stages.rewards(Path(temper.run_root) / "trajectories.duckdb", int(context.partition_key))
-    _save(d, "rewards", out)
-    return dg.MaterializeResult(metadata=_meta(out))
-
-
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards],
-          description="One SAO-trained expert per domain, each from the warm start")
-def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
-
-    d = temper.dir(context.partition_key)
-    cfg, envs, ws = temper.config(), _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
-    out = {dom: stages.sao_expert(cfg, ws, envs, dom, d / "experts" / dom) for dom in DOMAINS}
-    _save(d, "sao_experts", out)
-    return dg.MaterializeResult(metadata={f"{k}_checkpoint": v["checkpoint"] for k, v in out.items()})
-
-
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts],
-          description="The student distilled from the domain experts by multi-teacher on-policy distillation")
-def opd_student(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
-
-    d = temper.dir(context.partition_key)
-    experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
-    out = stages.opd_student(temper.config(), _load(d, "warm_start")["checkpoint"], experts, _load(d, "verified_envs"),
-                             d / "student")
-    _save(d, "opd_student", out)
-    return dg.MaterializeResult(metadata=_meta(out))
-
-
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[opd_student],
-          description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
-def evaluation(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     from pipelines import stages
 
     it = context.partition_key
     d = temper.dir(it)
-    out = stages.evaluation(temper.config(), _load(d, "opd_student")["checkpoint"], _load(d, "warm_start")["checkpoint"],
-                            _load(d, "verified_envs"))
+    out = stages.rewards(temper.store_path(), int(it))
+    _save(d, "rewards", out)
+    flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
+    meta = _track(temper, it, "rewards", out, flat)
+    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards], retry_policy=LONG_STEP_RETRY,
+          description="One SAO-trained expert per domain, each from the warm start")
+def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
+    out, meta = {}, {}
+    for dom in DOMAINS:
+        res = d / "experts" / dom / "result.json"
+        if res.exists():  # finished before a retry: keep it
+            out[dom] = json.loads(res.read_text())
+            continue
+        out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
+                          domain=dom, out=str(d / "experts" / dom))
+        m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
+                   {"checkpoint": out[dom]["checkpoint"], "init": ws})
+        meta.update({f"{dom}_{k}": v for k, v in m.items()})
+    _save(d, "sao_experts", out)
+    return dg.MaterializeResult(metadata={**{f"{k}_checkpoint": v["checkpoint"] for k, v in out.items()},
+                                          **{f"{k}_steps": v["steps"] for k, v in out.items()},
+                                          **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
+                                          **meta})
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts], retry_policy=LONG_STEP_RETRY,
+          description="The student distilled from the domain experts by multi-teacher on-policy distillation")
+def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
+    out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
+                 init=_load(d, "warm_start")["checkpoint"], experts=experts, envs=_load(d, "verified_envs"),
+                 out=str(d / "student"))
+    out["curves"] = {"reverse_kl": out["reverse_kl"]}
+    meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
+                  {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}})
+    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+
+
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[opd_student], retry_policy=LONG_STEP_RETRY,
+          description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
+def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+               sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+    it = context.partition_key
+    d = temper.dir(it)
+    out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
+                 student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
+                 envs=_load(d, "verified_envs"), experts={k: v["checkpoint"] for k, v in _load(d, "sao_experts").items()})
+    meta = _track(temper, it, "evaluation", out, {"pass_at_1_before": out["pass@1_before"],
+                                                  "pass_at_1_after": out["pass@1_after"],
+                                                  **_domain_metrics("before", out["domain_before"]),
+                                                  **_domain_metrics("after", out["domain_after"])})
     tr = temper.tracker()
     run = tr.iteration_run(it)
+    curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in _load(d, "sao_experts").items()}
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
-           params={"preset": temper.preset, "overrides": ",".join(temper.overrides)})
+           params={"preset": temper.preset, "overrides": ",".join(temper.overrides), "student": out["student"]})
+    tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
     reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"])
     tr.finish(run)
-    out.update(mlflow_run=tr.run_link(run), registered=reg)
+    out.update(registered=reg)
     _save(d, "evaluation", out)
-    return dg.MaterializeResult(metadata=_meta(out))
+    return dg.MaterializeResult(metadata={**_meta(out), **meta,
+                                          "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))})
 
 
 ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation]

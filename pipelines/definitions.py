@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, TemperResource
+from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, RolloutBackend, SandboxResource, TemperResource, TrainerBackend
+
+
+def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend | None = None,
+                   sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None) -> dict:
+    """The iteration's resources (defaults: `tiny`, embedded servers, the preset's sandbox, torch)."""
+    return {"temper": temper or TemperResource(), "pipes": dg.PipesSubprocessClient(),
+            "rollout": rollout or RolloutBackend(), "sandbox": sandbox or SandboxResource(),
+            "trainer": trainer or TrainerBackend()}
+
 
 iteration_job = dg.define_asset_job("iteration", selection=dg.AssetSelection.all())
 
@@ -46,5 +55,5 @@ defs = dg.Definitions(
     jobs=[iteration_job],
     schedules=[recurring_iterations],
     sensors=[next_iteration_on_evaluation],
-    resources={"temper": TemperResource()},
+    resources=make_resources(),
 )

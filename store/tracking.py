@@ -39,6 +39,22 @@ class Tracker:
             return runs[0].info.run_id
         return self.start(f"iteration-{iteration}", tags={"temper_iteration": iteration, "temper_kind": "iteration"})
 
+    def stage_run(self, iteration_run: str, iteration: str, stage: str) -> str:
+        """The stage's run nested under the iteration's run (found again when the step is retried)."""
+        runs = self.client.search_runs([self.experiment_id], f"tags.temper_iteration = '{iteration}' and "
+                                                             f"tags.temper_stage = '{stage}'", max_results=1)
+        if runs:
+            return runs[0].info.run_id
+        return self.start(stage, parent_run_id=iteration_run,
+                          tags={"temper_iteration": iteration, "temper_stage": stage, "temper_kind": "stage"})
+
+    def log_plot(self, run_id: str, name: str, curves: dict[str, list[float]], path: str | Path) -> Path | None:
+        """Save `curves` as a PNG at `path`, log it as an artifact of the run; None when there is nothing to plot."""
+        png = curve_png(curves, name, path)
+        if png is not None:
+            self.client.log_artifact(run_id, str(png), artifact_path="plots")
+        return png
+
     def log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict | None = None,
             steps: dict[str, list[float]] | None = None) -> None:
         from mlflow.entities import Metric, Param
@@ -77,3 +93,28 @@ class Tracker:
 
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} · experiment {self.experiment_id} · run {run_id}"
+
+
+def curve_png(curves: dict[str, list[float]], title: str, path: str | Path) -> Path | None:
+    """One panel per curve (x = step), written with matplotlib's Agg backend."""
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(3.2 * len(curves), 2.6), squeeze=False)
+    for ax, (k, v) in zip(axes[0], curves.items()):
+        ax.plot(range(1, len(v) + 1), v, lw=1.2)
+        ax.set_title(k, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

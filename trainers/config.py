@@ -66,4 +66,5 @@ class LoopConfig(BaseModel):
     in_flight: int = Field(default=8, gt=0)
     group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
     n_slots: int = Field(default=8, gt=0)
+    save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
     seed: int = 0

@@ -117,12 +117,17 @@ def train_lm(
     cfg: TrainConfig,
     on_step: Callable[[StepStats], None] | None = None,
     steps: int | None = None,
+    trainer: LMTrainer | None = None,
+    elapsed: float = 0.0,
 ) -> list[StepStats]:
-    """Train until `steps` (default cfg.max_steps) or `cfg.max_seconds`, whichever comes first."""
-    trainer = LMTrainer(model, cfg)
+    """Train until `steps` (default cfg.max_steps) or `cfg.max_seconds`, whichever comes first.
+
+    To resume, pass the restored `trainer` (its `step_no` and optimizer) and the seconds already spent
+    (`elapsed`): the schedule continues where it stopped instead of warming up again."""
+    trainer = trainer or LMTrainer(model, cfg)
     total = steps or cfg.max_steps
     hist: list[StepStats] = []
-    start = time.perf_counter()
+    start = time.perf_counter() - elapsed
     while trainer.step_no < total and time.perf_counter() - start < cfg.max_seconds:
         ids, mask = next(batches)
         progress = max(trainer.step_no / total, (time.perf_counter() - start) / cfg.max_seconds)

@@ -5,7 +5,7 @@ import dagster as dg
 import pytest
 
 from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, TemperResource
-from pipelines.definitions import defs, next_iteration_on_evaluation, recurring_iterations
+from pipelines.definitions import defs, make_resources, next_iteration_on_evaluation, recurring_iterations
 
 FAST = ["train.max_seconds=3", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false",
         "loop.steps=1", "opd.steps=1", "sao.value_pretrain_steps=1"]
@@ -31,7 +31,7 @@ def _run(instance, tmp_path, iteration, overrides=FAST):
     instance.add_dynamic_partitions(ITERATIONS.name, [iteration])
     res = TemperResource(preset="micro", overrides=overrides, run_root=str(tmp_path / "runs"))
     return dg.materialize(ALL_ASSETS + ALL_CHECKS, partition_key=iteration, instance=instance,
-                          resources={"temper": res}, raise_on_error=False)
+                          resources=make_resources(res), raise_on_error=False)
 
 
 def test_two_iterations_lineage_and_mlflow(instance, tmp_path):

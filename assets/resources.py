@@ -1,0 +1,93 @@
+"""Dagster resources of the iteration: the config, the rollout backend, the sandbox and the trainer backend.
+
+The Pipes client (`pipes`) is Dagster's own `PipesSubprocessClient`; the trajectory store is a DuckDB file
+under the run root whose writers share the `duckdb_writer` concurrency pool (limit 1 in dagster.yaml).
+"""
+
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import dagster as dg
+
+
+class TemperResource(dg.ConfigurableResource):
+    """The IterationConfig (a preset plus Launchpad overrides) and where runs, trajectories and tracking live."""
+
+    preset: str = "tiny"
+    overrides: list[str] = []
+    run_root: str = "runs/pipeline"
+    mlflow_uri: str = ""  # default: sqlite under run_root
+    mlflow_ui: str = ""  # e.g. http://127.0.0.1:5000 (what `make ui` serves): turns run links into URLs
+
+    def config(self):
+        import configs
+
+        return configs.load(self.preset, self.overrides)
+
+    def dir(self, iteration: str) -> Path:
+        p = Path(self.run_root) / f"iteration-{int(iteration):04d}"
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def store_path(self) -> Path:
+        Path(self.run_root).mkdir(parents=True, exist_ok=True)
+        return Path(self.run_root) / "trajectories.duckdb"
+
+    def tracker(self):
+        from store.tracking import Tracker
+
+        uri = self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}"
+        return Tracker(uri)
+
+    def run_url(self, tracker, run_id: str) -> str:
+        return f"{self.mlflow_ui.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{run_id}"
+
+
+class RolloutBackend(dg.ConfigurableResource):
+    """Where rollouts are generated.
+
+    `embedded`: the resource starts `embedded_servers` temper engine servers on 127.0.0.1 for the step and
+    stops them after. `sglang`: `urls` are running SGLang servers (each gets the checkpoint through
+    `/update_weights_from_disk`); `router_url`, when set, is an sglang-router in front of them that serves
+    `/generate`."""
+
+    kind: Literal["embedded", "sglang"] = "embedded"
+    embedded_servers: int = 1
+    urls: list[str] = []
+    router_url: str = ""
+
+    @contextlib.contextmanager
+    def serving(self, cfg) -> Iterator[tuple[list[str], str]]:
+        if self.kind == "sglang":
+            if not self.urls:
+                raise dg.Failure("rollout backend 'sglang' needs `urls` (the SGLang servers' base URLs)")
+            yield list(self.urls), self.router_url
+            return
+        from rollout.backend import embedded_servers
+
+        with embedded_servers(cfg.model, n=self.embedded_servers, n_slots=cfg.loop.n_slots,
+                              max_len=cfg.agent.max_context + 8, seed=cfg.seed) as urls:
+            yield urls, ""
+
+
+class SandboxResource(dg.ConfigurableResource):
+    """Where untrusted code runs: the preset's choice (empty), or `bwrap` / `docker` explicitly."""
+
+    kind: Literal["", "bwrap", "docker"] = ""
+
+    def overrides(self) -> list[str]:
+        return [f"envs.sandbox={self.kind}"] if self.kind else []
+
+
+class TrainerBackend(dg.ConfigurableResource):
+    """How the training stages run: the torch backend on this machine's CPUs (`threads` 0 = torch's default).
+    A Megatron-core backend plugs in here once it exists."""
+
+    kind: Literal["torch"] = "torch"
+    threads: int = 0
+
+    def env(self) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}

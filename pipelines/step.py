@@ -1,0 +1,79 @@
+"""One stage of an iteration in its own process, reporting to Dagster through Pipes.
+
+The assets launch `python -m pipelines.step` with `dagster.PipesSubprocessClient`; the extras name the
+stage, the preset and overrides, and the stage's arguments; the stage's result is written as JSON to the
+`result` path (atomically), and its progress goes to the run's log via `pipes.log`.
+
+Cancellation: the child leads its own process group. On SIGINT or SIGTERM (what Dagster's Pipes client
+forwards when a run is cancelled), or when its parent dies, it kills the whole group — itself, the
+sandboxes and any server it started — so nothing outlives the run. Training stages save atomic
+checkpoints, so a retried step resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+PATH_ARGS = ("out", "store_path")
+
+
+def _kill_group(*_args) -> None:
+    try:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(130)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            _kill_group()
+        time.sleep(0.5)
+
+
+def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log) -> dict:
+    import configs
+    from pipelines import stages
+
+    fn = getattr(stages, stage, None)
+    if stage.startswith("_") or not callable(fn):
+        raise ValueError(f"unknown stage {stage!r}")
+    cfg = configs.load(preset, overrides)
+    args = {k: (Path(v) if k in PATH_ARGS else v) for k, v in kwargs.items()}
+    import inspect
+
+    return fn(cfg, **args, log=log) if "log" in inspect.signature(fn).parameters else fn(cfg, **args)
+
+
+def main() -> int:
+    from dagster_pipes import open_dagster_pipes
+
+    if os.getpid() != os.getpgid(0):
+        os.setpgid(0, 0)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _kill_group)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    with open_dagster_pipes() as pipes:
+        stage, result = pipes.get_extra("stage"), Path(pipes.get_extra("result"))
+        t0 = time.perf_counter()
+        pipes.log.info(f"stage {stage} started in pid {os.getpid()}")
+        out = run_stage(stage, pipes.get_extra("preset"), list(pipes.get_extra("overrides")), pipes.get_extra("kwargs"),
+                        pipes.log.info)
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+        result.parent.mkdir(parents=True, exist_ok=True)
+        tmp = result.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1, default=str))
+        os.replace(tmp, result)
+        pipes.log.info(f"stage {stage} finished in {out['seconds']:.1f} s")
+        pipes.report_custom_message({"stage": stage, "seconds": out["seconds"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
