@@ -43,7 +43,7 @@ def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, san
            trainer: TrainerBackend, stage: str, result: Path, **kwargs) -> dict:
     """Run `pipelines.stages.<stage>` in a Pipes subprocess; return the result it wrote."""
     result.unlink(missing_ok=True)
-    pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step"], env=trainer.env(),
+    pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step", stage], env=trainer.env(),
               extras={"stage": stage, "preset": temper.preset, "overrides": temper.overrides + sandbox.overrides(),
                       "kwargs": kwargs, "result": str(result)})
     return json.loads(result.read_text())

@@ -1,6 +1,6 @@
 """One stage of an iteration in its own process, reporting to Dagster through Pipes.
 
-The assets launch `python -m pipelines.step` with `dagster.PipesSubprocessClient`; the extras name the
+The assets launch `python -m pipelines.step <stage>` with `dagster.PipesSubprocessClient`; the extras name the
 stage, the preset and overrides, and the stage's arguments; the stage's result is written as JSON to the
 `result` path (atomically), and its progress goes to the run's log via `pipes.log`.
 
