@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean sandbox-deps ui
+.PHONY: run test lint bench clean sandbox-deps browser-deps ui
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,10 +21,18 @@ sandbox-deps:
 	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "bubblewrap is required: sudo apt-get install bubblewrap" >&2; exit 1; fi; }
 
-run: $(STAMP) sandbox-deps
-	$(BIN)/temper demo --preset tiny
+# The browser test drives Debian's chromium headless through Playwright.
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium"; apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is required for the browser test: sudo apt-get install chromium" >&2; exit 1; fi; }
 
-test: $(STAMP) sandbox-deps
+# One post-training iteration on tiny as a Dagster run (the next iteration each time), then a summary.
+run: $(STAMP) sandbox-deps
+	$(BIN)/temper run --preset tiny
+
+test: $(STAMP) sandbox-deps browser-deps
 	$(BIN)/python -m pytest -q tests
 
 # Dagster (3000) and MLflow (5000) UIs on 127.0.0.1; Ctrl-C stops both.

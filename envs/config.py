@@ -17,3 +17,4 @@ class EnvConfig(BaseModel):
     eval_seed: int = 10_007
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
+    validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)

@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("id")
     s.add_argument("--reveal", action="store_true", help="include hidden state, reference and verifier")
     s.set_defaults(fn=cmd_envs_show)
+    from .run_cli import add_parser as add_run
     from .train_cli import add_parser as add_train
 
+    add_run(sub)
     add_train(sub)
     sv = sub.add_parser("serve", help="serve a checkpoint with the embedded engine (SGLang-compatible API)")
     sv.add_argument("--checkpoint", required=True)

@@ -13,7 +13,7 @@ from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, RolloutBackend, SandboxRe
 def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend | None = None,
                    sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None) -> dict:
     """The iteration's resources (defaults: `tiny`, embedded servers, the preset's sandbox, torch)."""
-    return {"temper": temper or TemperResource(), "pipes": dg.PipesSubprocessClient(),
+    return {"temper": temper or TemperResource(mlflow_ui="http://127.0.0.1:5000"), "pipes": dg.PipesSubprocessClient(),
             "rollout": rollout or RolloutBackend(), "sandbox": sandbox or SandboxResource(),
             "trainer": trainer or TrainerBackend()}
 

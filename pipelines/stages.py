@@ -30,14 +30,18 @@ def env_specs(cfg, out: Path) -> dict:
             "families": train["families"], "sha256": train["sha256"]}
 
 
-def verified_envs(cfg, specs: dict, out: Path) -> dict:
+def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
     from envs import make_sandbox
     from envs.dataset import read_dataset, write_dataset
     from envs.gate import acceptance, validate
 
     sb = make_sandbox(cfg.envs.sandbox)
     train = read_dataset(specs["train"])
-    reports = [validate(s, sb, probes=cfg.envs.probes) for s in train]
+    with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
+        reports = list(pool.map(lambda s: validate(s, sb, probes=cfg.envs.probes), train))
+    log(f"validated {len(train)} environments: {sum(r.accepted for r in reports)} accepted")
     ok = [s for s, r in zip(train, reports) if r.accepted]
     write_dataset(ok, out / "train", {"validated_from": specs["train"]})
     _dump(out / "validation.json", [r.to_dict() for r in reports])

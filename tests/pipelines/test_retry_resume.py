@@ -6,12 +6,11 @@ import threading
 import time
 
 import dagster as dg
+from procs import find
 
 from assets import ALL_ASSETS, ITERATIONS, TemperResource
 from pipelines.definitions import make_resources
 from trainers.checkpoint import complete_checkpoints
-
-from procs import find
 
 FAST = ["train.max_seconds=3", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false",
         "loop.steps=3", "loop.save_every=1", "sao.value_pretrain_steps=1"]

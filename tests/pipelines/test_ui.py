@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from procs import alive, find
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +39,7 @@ def webserver(tmp_path_factory):
         "concurrency:\n  pools:\n    default_limit: 1\n")
     port = _free_port()
     env = {**os.environ, "DAGSTER_HOME": str(home)}
-    log = open(home / "webserver.log", "w")
+    log = open(home / "webserver.log", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port),
                              "-m", "pipelines.definitions", "-d", str(ROOT)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)

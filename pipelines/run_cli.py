@@ -1,0 +1,124 @@
+"""`temper run`: one post-training iteration as a Dagster run, then a summary table.
+
+    temper run --preset tiny                 # the next iteration (1 on a fresh checkout: SFT warm start)
+    temper run --preset tiny --iteration 3   # a given iteration (its parent must exist)
+
+The run goes into the same Dagster instance (`runs/dagster_home`), run root (`runs/pipeline`) and MLflow
+store that `make ui` serves, so the run, its lineage and its curves are there to inspect afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+STAGES = ["env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts", "opd_student",
+          "evaluation"]
+
+
+def _instance(root: Path):
+    home = root / "runs" / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(home)
+    from dagster import DagsterInstance
+
+    return DagsterInstance.get()
+
+
+def _step_seconds(result) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for e in result.all_events:
+        if e.event_type_value == "STEP_SUCCESS":
+            out[e.step_key] = e.event_specific_data.duration_ms / 1000
+    return out
+
+
+def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> dict:
+    from rich.table import Table
+
+    def load(name):
+        p = run_dir / f"{name}.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    ev, ro, ver, ws = load("evaluation"), load("rollout_batches"), load("verified_envs"), load("warm_start")
+    sao = load("sao_experts")
+    t = Table(title=f"temper · {run_dir.name}", show_lines=False)
+    for c in ("domain", "warm start", "student", "Δ", "expert (teacher)"):
+        t.add_column(c, justify="right" if c != "domain" else "left")
+    before, after, teach = ev.get("domain_before", {}), ev.get("domain_after", {}), ev.get("domain_teacher", {})
+    for dom in sorted(set(before) | set(after)):
+        b, a = before.get(dom, 0.0), after.get(dom, 0.0)
+        t.add_row(dom, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}", f"{teach[dom]:.2f}" if dom in teach else "—")
+    if ev:
+        t.add_row("all", f"{ev['pass@1_before']:.2f}", f"{ev['pass@1_after']:.2f}",
+                  f"{ev['pass@1_after'] - ev['pass@1_before']:+.2f}", "", style="bold")
+    console.print(t)
+    s = Table(title="stages")
+    s.add_column("stage")
+    s.add_column("seconds", justify="right")
+    s.add_column("what", justify="left")
+    what = {
+        "env_specs": "",
+        "verified_envs": f"{ver.get('accepted', 0)}/{ver.get('total', 0)} environments admitted",
+        "warm_start": f"{ws.get('sft_steps', 0)} SFT steps" if not ws.get("parent") else f"from {ws.get('parent')}",
+        "rollout_batches": f"{ro.get('trajectories', 0)} trajectories, {ro.get('tokens', 0):,} tokens, "
+                           f"mean reward {ro.get('mean_reward', 0):.2f}",
+        "sao_experts": ", ".join(f"{d}: {v.get('steps', 0)} steps" for d, v in sao.items()),
+        "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps",
+        "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
+    }
+    for st in STAGES:
+        s.add_row(st, f"{seconds.get(st, 0.0):.0f}", what.get(st, ""))
+    s.add_row("total (wall)", f"{wall:.0f}", "", style="bold")
+    console.print(s)
+    return {"domain_before": before, "domain_after": after, "domain_teacher": teach, "seconds": seconds, "wall": wall,
+            "trajectories": ro.get("trajectories"), "tokens": ro.get("tokens")}
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    con = Console()
+    root = Path.cwd()
+    instance = _instance(root)
+    from assets import ITERATIONS
+    from pipelines.definitions import defs
+
+    keys = [int(k) for k in instance.get_dynamic_partitions(ITERATIONS.name)]
+    it = str(args.iteration or max(keys, default=0) + 1)
+    if it not in map(str, keys):
+        instance.add_dynamic_partitions(ITERATIONS.name, [it])
+    run_root = Path(args.run_root)
+    cfg = {"preset": args.preset, "overrides": args.override, "run_root": str(run_root),
+           "mlflow_ui": "http://127.0.0.1:5000"}
+    con.print(f"[bold]temper[/] iteration {it} on [bold]{args.preset}[/] → {run_root / f'iteration-{int(it):04d}'}")
+    t0 = time.perf_counter()
+    res = defs.get_job_def("iteration").execute_in_process(
+        run_config={"resources": {"temper": {"config": cfg}},
+                    "loggers": {"console": {"config": {"log_level": args.log_level}}}},
+        instance=instance, partition_key=it, raise_on_error=False)
+    wall = time.perf_counter() - t0
+    run_dir = run_root / f"iteration-{int(it):04d}"
+    out = summary(run_dir, _step_seconds(res), wall, con)
+    (run_dir / "summary.json").write_text(json.dumps({**out, "iteration": it, "success": res.success,
+                                                      "run_id": res.run_id}, indent=1))
+    con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'}.\n"
+              f"Next: [bold]make ui[/] → Dagster http://127.0.0.1:3000 (assets, lineage, this run) · "
+              f"MLflow http://127.0.0.1:5000 (curves, the `temper-student` model and its champion alias).\n"
+              f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · "
+              f"again: [bold]make run[/] (iteration {int(it) + 1} starts from this student)")
+    return 0 if res.success else 1
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="one post-training iteration as a Dagster run, with a summary table")
+    r.add_argument("--preset", default="tiny")
+    r.add_argument("--iteration", type=int, default=None, help="default: the next one")
+    r.add_argument("--run-root", default="runs/pipeline")
+    r.add_argument("--log-level", default="INFO")
+    r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    r.set_defaults(fn=cmd_run)
