@@ -52,6 +52,26 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert len(runs) == 2 and all("pass_at_1_after" in r.data.metrics for r in runs)
     assert all(r.info.status == "FINISHED" for r in runs)
     assert client.get_model_version_by_alias("temper-student", "champion") is not None
+    stages = client.search_runs([exp.experiment_id], "tags.temper_kind = 'stage' and tags.temper_iteration = '1'")
+    assert {r.data.tags["temper_stage"] for r in stages} >= {"env_specs", "verified_envs", "warm_start", "rollout_batches",
+                                                             "rewards", "opd_student", "evaluation"}
+    parent = runs[0].info.run_id if runs[0].data.tags["temper_iteration"] == "1" else runs[1].info.run_id
+    assert all(r.data.tags["mlflow.parentRunId"] == parent for r in stages)  # nested under iteration 1's run
+    sft = next(r for r in stages if r.data.tags["temper_stage"] == "warm_start")
+    loss = client.get_metric_history(sft.info.run_id, "sft_loss")
+    assert len(loss) == mats["warm_start"].materialization.metadata["sft_steps"].value > 1  # one point per step
+    assert [m.step for m in loss] == list(range(len(loss)))
+    assert "plot" in mats["warm_start"].materialization.metadata
+
+    from rich.console import Console
+
+    from pipelines.run_cli import summary
+
+    con = Console(record=True, width=200)
+    out = summary(tmp_path / "runs" / "iteration-0001", {"warm_start": 1.5}, 9.0, con)
+    text = con.export_text()
+    ev = mats["evaluation"].materialization.metadata
+    assert set(out["domain_after"]) == set(ev["domain_after"].value) and "warm_start" in text and "all" in text
 
 
 def test_failing_triad_check_blocks_downstream(instance, tmp_path):
