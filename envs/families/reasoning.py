@@ -15,18 +15,26 @@ WORDS = ["gem", "key", "map", "cup", "hat", "pen", "box", "owl", "fox", "jar", "
 
 
 class KVLookup(Family):
-    """box*.txt files hold `key=value` lines; a value may point on with `->FILE:KEY`. Submit the value."""
+    """box*.txt files hold `key=value` lines (`keys` per file, default 3); a value may point on with
+    `->FILE:KEY`. Submit the value."""
 
     name, domain, tiny = "kv-lookup", "reasoning", True
     tools = ("read", "ls")
     essential = ("read",)
     horizon = (1, 8)
 
+    def knobs(self, rng: random.Random, knobs: dict[str, Any] | None) -> dict[str, Any]:
+        k = super().knobs(rng, knobs)
+        k.setdefault("keys", 3)
+        if not (isinstance(k["keys"], int) and 1 <= k["keys"] <= 6):
+            raise ValueError(f"{self.name}: knob keys={k['keys']!r} outside [1, 6] (key=value lines per file)")
+        return k
+
     def sample(self, rng: random.Random, knobs: dict[str, Any]) -> Sampled:
         hops = knobs["horizon"]
         n_files = hops + 2
         names = [f"box{i}.txt" for i in range(1, n_files + 1)]
-        keys = rng.sample(WORDS, 3 * n_files)
+        keys = rng.sample(WORDS, knobs.get("keys", 3) * n_files)
         table: dict[str, dict[str, str]] = {f: {} for f in names}
         for i, k in enumerate(keys):
             table[names[i % n_files]][k] = str(rng.randint(100, 999))

@@ -63,6 +63,16 @@ def test_generation_is_deterministic_by_seed():
         generate(["kv-lookup?horizon=9"], 1)
 
 
+def test_kv_lookup_keys_knob_sets_lines_per_file():
+    one = generate(["kv-lookup?horizon=1&keys=1"], 3, seed=2)
+    assert all(f.count("\n") == 1 for s in one for f in s.files.values())
+    assert all(s.verifier.checks[0].expected in s.files[s.hidden["start"][0]] for s in one)
+    default = generate(["kv-lookup?horizon=1"], 3, seed=2)
+    assert all(f.count("\n") == 3 for s in default for f in s.files.values())
+    with pytest.raises(ValueError, match="keys=0 outside"):
+        generate(["kv-lookup?keys=0"], 1)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_verifier_builder_never_sees_the_reference(family):
     fam = FAMILIES[family]
