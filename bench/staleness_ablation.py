@@ -67,7 +67,7 @@ def main() -> None:
     cfg = configs.load(args.preset, args.override)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     specs = generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed)
-    held = generate(cfg.envs.patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
+    held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     base = evaluate(load_checkpoint(args.init), held, tok, sb, cfg.agent)["pass@1"]
     rows, runs = [], []
     for s in map(int, args.staleness.split(",")):

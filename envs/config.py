@@ -11,6 +11,8 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     patterns: list[str] = Field(default_factory=lambda: ["kv-lookup", "calc-chain", "set-const"])
+    # held-out patterns; empty: the training patterns (a curriculum may train on easier variants)
+    eval_patterns: list[str] = Field(default_factory=list)
     n_train: int = Field(default=240, ge=0)
     n_eval: int = Field(default=30, ge=0)
     seed: int = 0
@@ -18,3 +20,7 @@ class EnvConfig(BaseModel):
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
+
+    @property
+    def held_out_patterns(self) -> list[str]:
+        return self.eval_patterns or self.patterns

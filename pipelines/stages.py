@@ -25,7 +25,7 @@ def env_specs(cfg, out: Path) -> dict:
 
     e = cfg.envs
     train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
-    held = write_dataset(generate(e.patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
+    held = write_dataset(generate(e.held_out_patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
     return {"train": str(out / "train"), "eval": str(out / "eval"), "n_train": train["n"], "n_eval": held["n"],
             "families": train["families"], "sha256": train["sha256"]}
 

@@ -27,7 +27,7 @@ def _setup(args):
     tok = ByteTokenizer()
     sandbox = make_sandbox(cfg.envs.sandbox)
     train = generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed)
-    held = generate(cfg.envs.patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
+    held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     return cfg, tok, sandbox, train, held
 
 
