@@ -80,7 +80,11 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
 
 
 def cmd_run(args) -> int:
+    import warnings
+
     from rich.console import Console
+
+    warnings.filterwarnings("ignore", message=".*is currently in (preview|beta).*")
 
     con = Console()
     root = Path.cwd()
