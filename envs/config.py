@@ -19,6 +19,7 @@ class EnvConfig(BaseModel):
     eval_seed: int = 10_007
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
+    probe_every: int = Field(default=1, gt=0)  # hack-probe every k-th environment (1: all); the triad runs on all
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
 
     @property

@@ -40,7 +40,8 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     sb = make_sandbox(cfg.envs.sandbox)
     train = read_dataset(specs["train"])
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
-        reports = list(pool.map(lambda s: validate(s, sb, probes=cfg.envs.probes), train))
+        reports = list(pool.map(lambda i: validate(train[i], sb, probes=cfg.envs.probes and i % cfg.envs.probe_every == 0),
+                                range(len(train))))
     log(f"validated {len(train)} environments: {sum(r.accepted for r in reports)} accepted")
     ok = [s for s, r in zip(train, reports) if r.accepted]
     write_dataset(ok, out / "train", {"validated_from": specs["train"]})
@@ -48,7 +49,7 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
     return {"train": str(out / "train"), "eval": specs["eval"], "accepted": len(ok), "total": len(train),
             "acceptance": acceptance(reports), "triad_pass_rate": len(ok) / max(1, len(train)),
-            "accepted_probe_hits": probe_hits}
+            "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes)}
 
 
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
