@@ -50,7 +50,7 @@ def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, san
 
 
 def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,
-           params: dict | None = None) -> dict:
+           params: dict | None = None, bars: dict[str, dict[str, float]] | None = None) -> dict:
     """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation."""
     tr = temper.tracker()
     run = tr.stage_run(tr.iteration_run(iteration), iteration, stage)
@@ -58,7 +58,8 @@ def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metric
     tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params, steps=curves)
     meta = {"mlflow_run": dg.MetadataValue.url(temper.run_url(tr, run)) if temper.mlflow_ui
             else dg.MetadataValue.text(tr.run_link(run))}
-    png = tr.log_plot(run, f"iteration {iteration} · {stage}", curves, temper.dir(iteration) / "plots" / f"{stage}.png")
+    png = tr.log_plot(run, f"iteration {iteration} · {stage}", curves, temper.dir(iteration) / "plots" / f"{stage}.png",
+                      bars=bars)
     if png is not None:
         meta["plot"] = dg.MetadataValue.md(f"![{stage}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})")
         meta["plot_path"] = dg.MetadataValue.path(str(png))
@@ -78,7 +79,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     out = stages.env_specs(temper.config(), d / "envs")
     _save(d, "env_specs", out)
     meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"]},
-                  {"train_dir": out["train"], "eval_dir": out["eval"]})
+                  {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
@@ -91,7 +92,9 @@ def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pip
     out = _stage(context, pipes, temper, sandbox, trainer, "verified_envs", d / "verified_envs.json",
                  specs=_load(d, "env_specs"), out=str(d / "verified"))
     meta = _track(temper, it, "verified_envs", out, {"accepted": out["accepted"], "triad_pass_rate": out["triad_pass_rate"],
-                                                     "accepted_probe_hits": out["accepted_probe_hits"]})
+                                                     "accepted_probe_hits": out["accepted_probe_hits"]},
+                  bars={"admitted share per family": {f: a["accepted"] / max(1, a["total"])
+                                                      for f, a in out["acceptance"].items()}})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
@@ -151,7 +154,8 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
                      store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
     meta = _track(temper, it, "rollout_batches", out, {"trajectories": out["trajectories"], "tokens": out["tokens"],
                                                        "mean_reward": out["mean_reward"]},
-                  {"backend": rollout.kind, "store": out["store"]})
+                  {"backend": rollout.kind, "store": out["store"]},
+                  bars={"mean reward per family": out["family_reward"]})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
@@ -165,7 +169,10 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     out = stages.rewards(temper.store_path(), int(it))
     _save(d, "rewards", out)
     flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
-    meta = _track(temper, it, "rewards", out, flat)
+    fams = out.get("by_family", {})
+    meta = _track(temper, it, "rewards", out, flat,
+                  bars={"mean reward per family": {f: v["mean_reward"] for f, v in fams.items()},
+                        "trajectories per family": {f: v["trajectories"] for f, v in fams.items()}})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
@@ -222,7 +229,9 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     meta = _track(temper, it, "evaluation", out, {"pass_at_1_before": out["pass@1_before"],
                                                   "pass_at_1_after": out["pass@1_after"],
                                                   **_domain_metrics("before", out["domain_before"]),
-                                                  **_domain_metrics("after", out["domain_after"])})
+                                                  **_domain_metrics("after", out["domain_after"])},
+                  bars={"warm start": out["domain_before"], "student": out["domain_after"],
+                        "experts (own domain)": out["domain_teacher"]})
     tr = temper.tracker()
     run = tr.iteration_run(it)
     curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in _load(d, "sao_experts").items()}

@@ -133,7 +133,9 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
         n = st.write(trajs)
         export = st.export_parquet(iteration, store_path.parent / "parquet")
     return {"trajectories": n, "tokens": sum(t.n_tokens for t in trajs), "store": str(store_path), "parquet": str(export),
-            "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls}
+            "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
+            "family_reward": {f: sum(t.reward for t in trajs if t.family == f) / sum(1 for t in trajs if t.family == f)
+                              for f in sorted({t.family for t in trajs})}}
 
 
 def rewards(store_path: Path, iteration: int) -> dict:

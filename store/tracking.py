@@ -48,9 +48,11 @@ class Tracker:
         return self.start(stage, parent_run_id=iteration_run,
                           tags={"temper_iteration": iteration, "temper_stage": stage, "temper_kind": "stage"})
 
-    def log_plot(self, run_id: str, name: str, curves: dict[str, list[float]], path: str | Path) -> Path | None:
-        """Save `curves` as a PNG at `path`, log it as an artifact of the run; None when there is nothing to plot."""
-        png = curve_png(curves, name, path)
+    def log_plot(self, run_id: str, name: str, curves: dict[str, list[float]], path: str | Path,
+                 bars: dict[str, dict[str, float]] | None = None) -> Path | None:
+        """Save `curves` (one line panel each) or `bars` (one bar panel each) as a PNG at `path` and log it as
+        an artifact of the run; None when there is nothing to plot."""
+        png = bar_png(bars, name, path) if bars else curve_png(curves, name, path)
         if png is not None:
             self.client.log_artifact(run_id, str(png), artifact_path="plots")
         return png
@@ -111,6 +113,31 @@ def curve_png(curves: dict[str, list[float]], title: str, path: str | Path) -> P
         ax.set_title(k, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def bar_png(panels: dict[str, dict[str, float]], title: str, path: str | Path) -> Path | None:
+    """One bar panel per entry of `panels` (label → value), written with matplotlib's Agg backend."""
+    panels = {k: v for k, v in panels.items() if v}
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.6), squeeze=False)
+    for ax, (k, v) in zip(axes[0], panels.items()):
+        ax.bar(list(v), [float(x) for x in v.values()])
+        ax.set_title(k, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)

@@ -61,7 +61,8 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     loss = client.get_metric_history(sft.info.run_id, "sft_loss")
     assert len(loss) == mats["warm_start"].materialization.metadata["sft_steps"].value > 1  # one point per step
     assert [m.step for m in loss] == list(range(len(loss)))
-    assert "plot" in mats["warm_start"].materialization.metadata
+    plotted = {k for k, e in mats.items() if any(m == "plot" or m.endswith("_plot") for m in e.materialization.metadata)}
+    assert plotted == set(mats), f"no plot on {set(mats) - plotted}"  # every materialisation carries one
 
     from rich.console import Console
 
