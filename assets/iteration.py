@@ -21,7 +21,6 @@ import dagster as dg
 from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
-DOMAINS = ("code", "math", "reasoning")
 LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=1)
 
 
@@ -184,7 +183,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     d = temper.dir(it)
     envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
     out, meta = {}, {}
-    for dom in DOMAINS:
+    for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
         if res.exists():  # finished before a retry: keep it
             out[dom] = json.loads(res.read_text())
@@ -223,9 +222,10 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
+    experts = _load(d, "sao_experts")
     out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
                  student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
-                 envs=_load(d, "verified_envs"), experts={k: v["checkpoint"] for k, v in _load(d, "sao_experts").items()})
+                 envs=_load(d, "verified_envs"), experts={k: v["checkpoint"] for k, v in experts.items()})
     meta = _track(temper, it, "evaluation", out, {"pass_at_1_before": out["pass@1_before"],
                                                   "pass_at_1_after": out["pass@1_after"],
                                                   **_domain_metrics("before", out["domain_before"]),
@@ -234,7 +234,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                         "experts (own domain)": out["domain_teacher"]})
     tr = temper.tracker()
     run = tr.iteration_run(it)
-    curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in _load(d, "sao_experts").items()}
+    curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in experts.items()}
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
            params={"preset": temper.preset, "overrides": ",".join(temper.overrides), "student": out["student"]})
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")

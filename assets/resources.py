@@ -6,6 +6,7 @@ under the run root whose writers share the `duckdb_writer` concurrency pool (lim
 
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -37,13 +38,17 @@ class TemperResource(dg.ConfigurableResource):
         return Path(self.run_root) / "trajectories.duckdb"
 
     def tracker(self):
-        from store.tracking import Tracker
-
-        uri = self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}"
-        return Tracker(uri)
+        return _tracker(self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}")
 
     def run_url(self, tracker, run_id: str) -> str:
         return f"{self.mlflow_ui.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{run_id}"
+
+
+@functools.cache
+def _tracker(uri: str):
+    from store.tracking import Tracker
+
+    return Tracker(uri)
 
 
 class RolloutBackend(dg.ConfigurableResource):

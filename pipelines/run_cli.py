@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -20,10 +19,9 @@ STAGES = ["env_specs", "verified_envs", "warm_start", "rollout_batches", "reward
 
 
 def _instance(root: Path):
-    home = root / "runs" / "dagster_home"
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
-    os.environ["DAGSTER_HOME"] = str(home)
+    from .ui import dagster_home
+
+    os.environ["DAGSTER_HOME"] = str(dagster_home(root))
     from dagster import DagsterInstance
 
     return DagsterInstance.get()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def _quiet(msg: str) -> None:
-    pass
+    """Drop a progress message: the log of a stage run without one."""
 
 
 def _dump(path: Path, obj) -> None:
@@ -49,7 +49,8 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
     return {"train": str(out / "train"), "eval": specs["eval"], "accepted": len(ok), "total": len(train),
             "acceptance": acceptance(reports), "triad_pass_rate": len(ok) / max(1, len(train)),
-            "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes)}
+            "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
+            "domains": sorted({s.domain for s in ok})}
 
 
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
@@ -154,7 +155,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
-    from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
+    from trainers.checkpoint import complete_checkpoints, load_training_state
     from trainers.loop import RLLoop
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
@@ -165,26 +166,20 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         return {"checkpoint": str(out / "checkpoint"), "steps": 0, "domain": domain, "resumed_from_step": 0}
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
-    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=state.policy_version if state else 1)
+    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=1)
     hist: list[dict] = []
     start = n0 = 0
     if state is not None:
-        restore(state, model, loop.trainer.opt, loop.trainer.critic, getattr(loop.trainer, "copt", None))
-        start, loop.trainer.steps = state.step, state.step
-        loop._cursor = int(state.data_cursor)
-        hist = list(state.extra.get("history", []))
+        loop.resume(state)
+        start, hist = state.step, list(state.extra.get("history", []))
         n0 = len(hist)
-        loop.push_weights()  # the engine starts from the restored policy
-        loop.version = state.policy_version
         log(f"{domain}: resumed from {state.path} (step {start}, policy v{loop.version})")
 
     def on_step(st: dict) -> None:
         hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
         step = start + len(hist) - n0
         if step % cfg.loop.save_every == 0 or step == cfg.loop.steps:
-            save_training_state(out / "state", policy=model, optimizer=loop.trainer.opt, step=step,
-                                policy_version=loop.version, data_cursor=loop._cursor, critic=loop.trainer.critic,
-                                critic_optimizer=getattr(loop.trainer, "copt", None), extra={"history": hist}, keep=2)
+            loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
         log(f"{domain}: SAO step {step}/{cfg.loop.steps} reward {st['batch_reward']:.2f} v{st['version']}")
 
     loop.run(max(0, cfg.loop.steps - start), on_step)
@@ -197,6 +192,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet) -> dict:
     """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`."""
+    import copy
+
     import torch
 
     from envs.dataset import read_dataset
@@ -219,8 +216,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         state = restore(load_training_state(out / "state"), student, trainer.opt)
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")
-    engine = Engine(load_checkpoint(init), tok, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8)
-    engine.update_weights(state_dict={k: v.detach().clone() for k, v in student.state_dict().items()})
+    engine = Engine(copy.deepcopy(student), tok, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8)
     try:
         for step in range(start, cfg.opd.steps if specs else 0):
             batch = [specs[(step * cfg.loop.batch_size + i) % len(specs)] for i in range(cfg.loop.batch_size)]

@@ -78,7 +78,7 @@ def _sao_run(args, resume: bool) -> int:
     from rich.console import Console
 
     from model import Transformer, load_checkpoint, save_checkpoint
-    from trainers.checkpoint import load_training_state, restore, save_training_state
+    from trainers.checkpoint import load_training_state
     from trainers.loop import RLLoop
     from trainers.sft import evaluate
 
@@ -88,22 +88,16 @@ def _sao_run(args, resume: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = load_checkpoint(args.init) if args.init else Transformer(cfg.model)
-    version, start, cursor = 1, 0, 0
-    loop = None
-    state = None
-    if resume:
-        state = load_training_state(out / "state")
-        version, start, cursor = state.policy_version, state.step, int(state.data_cursor)
-    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=version)
+    start = 0
+    state = load_training_state(out / "state") if resume else None
+    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=1)
     if state is not None:
-        restore(state, model, loop.trainer.opt, loop.trainer.critic, getattr(loop.trainer, "copt", None))
-        loop.push_weights()  # the engine starts from the restored policy
-        loop.version = version
-        con.print(f"resumed from {state.path} (step {start}, policy v{version})")
+        loop.resume(state)
+        start = state.step
+        con.print(f"resumed from {state.path} (step {start}, policy v{loop.version})")
     else:
         (out / "run.json").write_text(json.dumps({"command": "sao", "args": vars(args),
                                                   "config": cfg.model_dump(mode="json")}, indent=1, default=str))
-    loop._cursor = cursor
     before = evaluate(model, held, tok, sandbox, cfg.agent) if start == 0 else None
     hist: list[dict] = []
     prog, task = _progress(con, args.steps, "sao")
@@ -115,9 +109,7 @@ def _sao_run(args, resume: bool) -> int:
             hist.append(st)
             prog.update(task, completed=step, description=f"reward {st['batch_reward']:.2f} v{st['version']}")
             if step % args.save_every == 0 or step == args.steps:
-                save_training_state(out / "state", policy=model, optimizer=loop.trainer.opt, step=step,
-                                    policy_version=loop.version, data_cursor=loop._cursor, critic=loop.trainer.critic,
-                                    critic_optimizer=getattr(loop.trainer, "copt", None))
+                loop.save_state(out / "state", step)
 
         loop.run(max(0, args.steps - start), on_step)
     after = evaluate(model, held, tok, sandbox, cfg.agent)

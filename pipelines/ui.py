@@ -14,11 +14,17 @@ import time
 from pathlib import Path
 
 
-def main() -> int:
-    root = Path.cwd()
+def dagster_home(root: Path) -> Path:
+    """`runs/dagster_home` with the project's dagster.yaml: the instance both `make ui` and `temper run` use."""
     home = root / "runs" / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
+    return home
+
+
+def main() -> int:
+    root = Path.cwd()
+    home = dagster_home(root)
     (root / "runs" / "pipeline").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DAGSTER_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true",
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DAGSTER_DISABLE_TELEMETRY": "true"}

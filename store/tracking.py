@@ -98,32 +98,25 @@ class Tracker:
 
 
 def curve_png(curves: dict[str, list[float]], title: str, path: str | Path) -> Path | None:
-    """One panel per curve (x = step), written with matplotlib's Agg backend."""
-    curves = {k: v for k, v in curves.items() if v}
-    if not curves:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(3.2 * len(curves), 2.6), squeeze=False)
-    for ax, (k, v) in zip(axes[0], curves.items()):
+    """One line panel per curve (x = step)."""
+    def draw(ax, v):
         ax.plot(range(1, len(v) + 1), v, lw=1.2)
-        ax.set_title(k, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+
+    return _panels_png(curves, title, path, draw)
 
 
 def bar_png(panels: dict[str, dict[str, float]], title: str, path: str | Path) -> Path | None:
-    """One bar panel per entry of `panels` (label → value), written with matplotlib's Agg backend."""
+    """One bar panel per entry of `panels` (label → value)."""
+    def draw(ax, v):
+        ax.bar(list(v), [float(x) for x in v.values()])
+        ax.tick_params(axis="x", labelrotation=20)
+
+    return _panels_png(panels, title, path, draw)
+
+
+def _panels_png(panels: dict, title: str, path: str | Path, draw) -> Path | None:
+    """A row of panels drawn by `draw(ax, value)`, written with matplotlib's Agg backend; None when all are empty."""
     panels = {k: v for k, v in panels.items() if v}
     if not panels:
         return None
@@ -134,10 +127,9 @@ def bar_png(panels: dict[str, dict[str, float]], title: str, path: str | Path) -
 
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.6), squeeze=False)
     for ax, (k, v) in zip(axes[0], panels.items()):
-        ax.bar(list(v), [float(x) for x in v.values()])
+        draw(ax, v)
         ax.set_title(k, fontsize=9)
         ax.tick_params(labelsize=7)
-        ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)

@@ -79,6 +79,28 @@ class RLLoop:
         self.pushes.append(rec)
         return rec
 
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save_state(self, dir, step: int, extra: dict | None = None, keep: int = 3):
+        """Atomic training checkpoint: actor, critic, both optimisers, RNG, step, data cursor, policy version."""
+        from .checkpoint import save_training_state
+
+        t = self.trainer
+        return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
+                                   data_cursor=self._cursor, critic=t.critic, critic_optimizer=getattr(t, "copt", None),
+                                   extra=extra, keep=keep)
+
+    def resume(self, state) -> None:
+        """Continue from a `load_training_state` result: weights, optimisers, RNG, data cursor and policy version
+        restored, the engine given the restored policy, and no second value pre-training."""
+        from .checkpoint import restore
+
+        t = self.trainer
+        restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None))
+        t.steps = state.step
+        self._cursor = int(state.data_cursor)
+        self.version = state.policy_version - 1
+        self.push_weights()  # the engine starts from the restored policy, at the saved version
+
     # ---- rollout side (async mode) -----------------------------------------------------------------
     def _rollouts(self) -> None:
         async def worker(agent: Agent):

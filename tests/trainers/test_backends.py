@@ -9,16 +9,9 @@ import configs
 from model import Transformer, next_token_loss
 from trainers.backends import DDPBackend, TorchBackend, launch
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SEQ = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for in-process steps: two threads oversubscribe a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _batch() -> torch.Tensor:

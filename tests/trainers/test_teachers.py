@@ -13,14 +13,7 @@ from trainers.teachers import TeacherPool
 DOMAINS = ("code", "math", "reasoning")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the loader thread and the scoring thread then share two cores without
-    oversubscription (which slows small forward passes by two orders of magnitude on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,8 @@ from trainers.checkpoint import (
 )
 from trainers.lm import LMTrainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL = 25
 
@@ -126,15 +128,6 @@ def test_kill_and_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
 
 
 # ---- in-process tests ----------------------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for in-process steps: two threads oversubscribe a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _trainer(seed=0):
     torch.manual_seed(seed)
     model = Transformer(configs.load("micro").model)
