@@ -77,7 +77,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     d = temper.dir(it)
     out = stages.env_specs(temper.config(), d / "envs")
     _save(d, "env_specs", out)
-    meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"]},
+    meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"], "n_rl": out["n_rl"]},
                   {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
@@ -91,7 +91,8 @@ def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pip
     out = _stage(context, pipes, temper, sandbox, trainer, "verified_envs", d / "verified_envs.json",
                  specs=_load(d, "env_specs"), out=str(d / "verified"))
     meta = _track(temper, it, "verified_envs", out, {"accepted": out["accepted"], "triad_pass_rate": out["triad_pass_rate"],
-                                                     "accepted_probe_hits": out["accepted_probe_hits"]},
+                                                     "accepted_probe_hits": out["accepted_probe_hits"],
+                                                     **{k: v for k, v in out.items() if k.startswith("accepted_")}},
                   bars={"admitted share per family": {f: a["accepted"] / max(1, a["total"])
                                                       for f, a in out["acceptance"].items()}})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})

@@ -57,6 +57,17 @@ def main() -> None:
     rows.append(["all", ev["pass@1_before"], "", ev["pass@1_after"], "", f"{ev['pass@1_after'] - ev['pass@1_before']:+.2f}"])
     table(f"held-out pass@1 on {args.preset} ({ev['n_eval']} environments)",
           ["domain", "warm start", "SAO expert", "OPD student", "student/teacher", "Δ student"], rows)
+    pat = [[p, ev["pattern_before"][p], ev["pattern_teacher"].get(p, "—"), ev["pattern_after"].get(p, 0.0)]
+           for p in sorted(ev["pattern_before"])]
+    table("held-out pass@1 per pattern", ["pattern", "warm start", "SAO expert", "OPD student"], pat)
+    quarter = []
+    for dom, e in experts.items():
+        r = e.get("reward_curve") or []
+        q = max(1, len(r) // 4)
+        if r:
+            quarter.append([dom, len(r), sum(r[:q]) / q, sum(r[-q:]) / q])
+    table("SAO training reward (sampled, one rollout per prompt)", ["expert", "steps", "first quarter", "last quarter"],
+          quarter)
     table("seconds per stage", ["stage", "seconds"], [[k, v] for k, v in secs.items()])
     (out / "learning.json").write_text(json.dumps({"evaluation": ev, "seconds": secs, "overrides": args.override,
                                                    "experts": {d: e.get("reward_curve") for d, e in experts.items()}},

@@ -15,8 +15,13 @@ class EnvConfig(BaseModel):
     eval_patterns: list[str] = Field(default_factory=list)
     n_train: int = Field(default=240, ge=0)
     n_eval: int = Field(default=30, ge=0)
+    # fresh environments for RL (rollouts, SAO experts, OPD), gated like the SFT set but never in it: on
+    # environments SFT has memorised, RL reinforces remembered answers instead of the skill. 0: RL reuses
+    # the SFT set.
+    n_rl: int = Field(default=0, ge=0)
     seed: int = 0
     eval_seed: int = 10_007
+    rl_seed: int = 20_011
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
     probe_every: int = Field(default=1, gt=0)  # hack-probe every k-th environment (1: all); the triad runs on all

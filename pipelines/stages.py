@@ -26,8 +26,17 @@ def env_specs(cfg, out: Path) -> dict:
     e = cfg.envs
     train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
     held = write_dataset(generate(e.held_out_patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
-    return {"train": str(out / "train"), "eval": str(out / "eval"), "n_train": train["n"], "n_eval": held["n"],
-            "families": train["families"], "sha256": train["sha256"]}
+    res = {"train": str(out / "train"), "eval": str(out / "eval"), "n_train": train["n"], "n_eval": held["n"],
+           "families": train["families"], "sha256": train["sha256"], "n_rl": 0}
+    if e.n_rl:
+        rl = write_dataset(generate(e.patterns, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
+        res.update(rl=str(out / "rl"), n_rl=rl["n"])
+    return res
+
+
+def rl_set(envs: dict) -> str:
+    """The environments RL trains in: the separate RL set when the preset has one, else the SFT set."""
+    return envs.get("rl") or envs["train"]
 
 
 def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
@@ -38,19 +47,26 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     from envs.gate import acceptance, validate
 
     sb = make_sandbox(cfg.envs.sandbox)
-    train = read_dataset(specs["train"])
+    sets = [k for k in ("train", "rl") if specs.get(k)]
+    every = [(k, s) for k in sets for s in read_dataset(specs[k])]
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
-        reports = list(pool.map(lambda i: validate(train[i], sb, probes=cfg.envs.probes and i % cfg.envs.probe_every == 0),
-                                range(len(train))))
-    log(f"validated {len(train)} environments: {sum(r.accepted for r in reports)} accepted")
-    ok = [s for s, r in zip(train, reports) if r.accepted]
-    write_dataset(ok, out / "train", {"validated_from": specs["train"]})
+        reports = list(pool.map(lambda i: validate(every[i][1], sb,
+                                                   probes=cfg.envs.probes and i % cfg.envs.probe_every == 0),
+                                range(len(every))))
+    log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted")
+    res: dict = {"eval": specs["eval"]}
+    for k in sets:
+        ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
+        write_dataset(ok, out / k, {"validated_from": specs[k]})
+        res[k] = str(out / k)
+        res[f"accepted_{k}"] = len(ok)
     _dump(out / "validation.json", [r.to_dict() for r in reports])
+    accepted = sum(r.accepted for r in reports)
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
-    return {"train": str(out / "train"), "eval": specs["eval"], "accepted": len(ok), "total": len(train),
-            "acceptance": acceptance(reports), "triad_pass_rate": len(ok) / max(1, len(train)),
+    return {**res, "accepted": accepted, "total": len(every),
+            "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
             "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
-            "domains": sorted({s.domain for s in ok})}
+            "domains": sorted({s.domain for (k, s), r in zip(every, reports) if r.accepted and k == sets[-1]})}
 
 
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
@@ -118,7 +134,7 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
     from store import TrajectoryStore
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = read_dataset(envs["train"])
+    specs = read_dataset(rl_set(envs))
 
     async def go():
         await load_weights(urls, checkpoint, version=iteration)
@@ -159,7 +175,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from trainers.loop import RLLoop
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = [s for s in read_dataset(envs["train"]) if s.domain == domain]
+    specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain]
     model = load_checkpoint(checkpoint)
     if not specs or cfg.loop.steps == 0:
         save_checkpoint(model, out / "checkpoint", policy_version=1)
@@ -208,7 +224,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     student = load_checkpoint(init)
-    specs = [s for s in read_dataset(envs["train"]) if s.domain in experts]
+    specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts]
     pool = TeacherPool(experts, max_resident=1)
     trainer = OPDTrainer(student, pool, cfg.opd)
     start, hist = 0, []
@@ -250,12 +266,15 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     log(f"student pass@1 {after['pass@1']:.3f} {after['domain']}")
     before = evaluate(load_checkpoint(baseline), held, tok, sb, cfg.agent)
     log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
-    teachers = {}
+    teachers, teacher_pattern = {}, {}
     for dom, ckpt in (experts or {}).items():
         mine = [s for s in held if s.domain == dom]
         if mine:
-            teachers[dom] = evaluate(load_checkpoint(ckpt), mine, tok, sb, cfg.agent)["pass@1"]
+            ev = evaluate(load_checkpoint(ckpt), mine, tok, sb, cfg.agent)
+            teachers[dom] = ev["pass@1"]
+            teacher_pattern.update(ev["pattern"])
     log(f"experts on their own domains: {teachers}")
     return {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"], "domain_before": before["domain"],
             "domain_after": after["domain"], "family_before": before["family"], "family_after": after["family"],
+            "pattern_before": before["pattern"], "pattern_after": after["pattern"], "pattern_teacher": teacher_pattern,
             "domain_teacher": teachers, "n_eval": len(held), "student": student}

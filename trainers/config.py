@@ -38,6 +38,7 @@ class SAOConfig(BaseModel):
     critic_updates: int = Field(default=2, ge=0)
     freeze_critic_attention: bool = True
     lr: float = Field(default=1e-4, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)  # linear actor-lr warmup: Adam's first steps are full-size
     critic_lr: float = Field(default=5e-4, gt=0)
     grad_clip: float = Field(default=1.0, gt=0)
     micro_rows: int = Field(default=8, gt=0)

@@ -142,6 +142,13 @@ class SAOTrainer:
                 ret[i][rows.mask[i]] = gg
         return adv, ret
 
+    def lr_at(self, step: int) -> float:
+        """Actor lr of update `step` (0-based): linear warmup over `warmup_steps`, then constant. Adam's
+        first updates move every parameter by ~lr whatever its gradient's size, which on small noisy RL
+        batches is mostly noise; the warmup keeps those steps small."""
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (step + 1) / w) if w else self.cfg.lr
+
     # ---- updates ----------------------------------------------------------------------------------
     def _critic_update(self, rows: Rows, ret: torch.Tensor) -> float:
         n = rows.mask.sum().clamp_min(1)
@@ -196,9 +203,12 @@ class SAOTrainer:
             for k, v in st.items():
                 agg[k] = agg.get(k, 0.0) + v * float(share)
         gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
+        lr = self.lr_at(self.steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         self.opt.step()
         self.steps += 1
         stats.update(agg)
-        stats.update(tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
+        stats.update(lr=lr, tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
                      reward_mean=sum(t.reward for t in kept) / len(kept))
         return stats

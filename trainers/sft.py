@@ -66,10 +66,12 @@ def evaluate(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox:
         trajs = asyncio.run(run_episodes(agent, specs, concurrency=concurrency))
     finally:
         engine.shutdown()
-    fam, dom = defaultdict(list), defaultdict(list)
+    fam, dom, pat = defaultdict(list), defaultdict(list), defaultdict(list)
     for s, t in zip(specs, trajs):
         fam[s.family].append(t.reward)
         dom[s.domain].append(t.reward)
+        pat[s.family + "?" + "&".join(f"{k}={v}" for k, v in sorted(s.knobs.items()))].append(t.reward)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"pass@1": mean([t.reward for t in trajs]), "family": {k: mean(v) for k, v in fam.items()},
-            "domain": {k: mean(v) for k, v in dom.items()}, "trajectories": trajs}
+            "domain": {k: mean(v) for k, v in dom.items()}, "pattern": {k: mean(v) for k, v in pat.items()},
+            "trajectories": trajs}

@@ -146,3 +146,19 @@ def test_sao_step_runs_and_reports(tmp_path):
     for k in ("clip_frac", "ratio_mean", "kl", "entropy", "value_loss", "grad_norm", "reward_mean"):
         assert k in st and math.isfinite(st[k])
     assert st["trajectories"] == 4 and st["tokens"] == 40
+
+
+def test_actor_lr_warmup_reaches_the_configured_lr():
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    tr = SAOTrainer(Transformer(cfg), SAOConfig(lr=1e-3, warmup_steps=4, critic_updates=0, loss="tis"))
+    assert [tr.lr_at(s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert SAOTrainer(Transformer(cfg), SAOConfig(lr=1e-3, critic_updates=0)).lr_at(0) == 1e-3  # no warmup
+    trajs = [_traj([(torch.randint(0, 200, (12,)).tolist(), [0] * 4 + [1] * 8)], reward=float(i % 2), versions=1)
+             for i in range(4)]
+    before = {n: p.detach().clone() for n, p in tr.actor.named_parameters()}
+    st = tr.step(trajs, current_version=1)
+    assert st["lr"] == pytest.approx(2.5e-4) and tr.opt.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+    # Adam's first update moves a parameter by at most ~lr: the warmup's lr, not the configured one
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in tr.actor.named_parameters())
+    assert 0 < moved <= 2.5e-4 * 1.01
