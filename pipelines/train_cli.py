@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 
-def _setup(args):
+def _setup(args, rl: bool = False):
+    """(config, tokenizer, sandbox, training environments, held-out environments). With `rl`, the
+    training environments are the preset's RL set (`envs.n_rl` at `envs.rl_seed`) when it has one."""
     import configs
     from envs import make_sandbox
     from envs.generator import generate
@@ -26,7 +28,8 @@ def _setup(args):
     cfg = configs.load(args.preset, args.override)
     tok = ByteTokenizer()
     sandbox = make_sandbox(cfg.envs.sandbox)
-    train = generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed)
+    e = cfg.envs
+    train = generate(e.patterns, e.n_rl, e.rl_seed) if rl and e.n_rl else generate(e.patterns, e.n_train, e.seed)
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     return cfg, tok, sandbox, train, held
 
@@ -83,7 +86,7 @@ def _sao_run(args, resume: bool) -> int:
     from trainers.sft import evaluate
 
     con = Console()
-    cfg, tok, sandbox, train, held = _setup(args)
+    cfg, tok, sandbox, train, held = _setup(args, rl=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -150,7 +153,7 @@ def cmd_opd(args) -> int:
     from trainers.teachers import TeacherPool
 
     con = Console()
-    cfg, tok, sandbox, train, held = _setup(args)
+    cfg, tok, sandbox, train, held = _setup(args, rl=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     teachers = dict(t.split("=", 1) for t in args.teacher)
