@@ -62,6 +62,7 @@ def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metric
     if png is not None:
         meta["plot"] = dg.MetadataValue.md(f"![{stage}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})")
         meta["plot_path"] = dg.MetadataValue.path(str(png))
+    tr.finish(run)  # the stage is done: its run is not left RUNNING in the MLflow UI
     return meta
 
 

@@ -5,7 +5,8 @@
 Staleness s is induced the same way for every method: the trainer pushes weights to the engine every
 s + 1 steps, so rollouts come from policies up to s versions old (async generation adds its own lag on
 top). Training runs on fresh environments (the preset's RL set), not the ones SFT saw. SAO: the
-double-sided token mask and the staleness bound τ = s. Naive async PPO: symmetric clip, no mask, no bound. GRPO: synchronous generation in groups of 4, group-normalised advantages.
+double-sided token mask and the staleness bound τ = s. Naive async PPO: symmetric clip, no mask, no
+bound. GRPO: synchronous generation in groups of 4, group-normalised advantages.
 Reported per run: the mean batch reward over the last third of the steps (final reward), the spread of
 batch reward over that window and the largest KL (stability), samples dropped as stale, and held-out
 pass@1 after training.
@@ -66,8 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = configs.load(args.preset, args.override)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    # RL environments the warm start's SFT never saw (the preset's RL set: `envs.n_rl`, `envs.rl_seed`)
-    specs = generate(cfg.envs.patterns, cfg.envs.n_rl or cfg.envs.n_train, cfg.envs.rl_seed)
+    specs = generate(cfg.envs.patterns, *cfg.envs.rl_source)  # the RL set: environments SFT never saw
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     base = evaluate(load_checkpoint(args.init), held, tok, sb, cfg.agent)["pass@1"]
     rows, runs = [], []

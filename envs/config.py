@@ -28,5 +28,10 @@ class EnvConfig(BaseModel):
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
 
     @property
+    def rl_source(self) -> tuple[int, int]:
+        """(count, seed) of the environments RL trains in: the RL set, or the SFT set when there is none."""
+        return (self.n_rl, self.rl_seed) if self.n_rl else (self.n_train, self.seed)
+
+    @property
     def held_out_patterns(self) -> list[str]:
         return self.eval_patterns or self.patterns

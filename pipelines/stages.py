@@ -55,18 +55,17 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
                                 range(len(every))))
     log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted")
     res: dict = {"eval": specs["eval"]}
-    for k in sets:
+    for k in sets:  # the last one is the set RL trains in: its domains get experts
         ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
         write_dataset(ok, out / k, {"validated_from": specs[k]})
-        res[k] = str(out / k)
-        res[f"accepted_{k}"] = len(ok)
+        res.update({k: str(out / k), f"accepted_{k}": len(ok)})
     _dump(out / "validation.json", [r.to_dict() for r in reports])
     accepted = sum(r.accepted for r in reports)
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
     return {**res, "accepted": accepted, "total": len(every),
             "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
             "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
-            "domains": sorted({s.domain for (k, s), r in zip(every, reports) if r.accepted and k == sets[-1]})}
+            "domains": sorted({s.domain for s in ok})}
 
 
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:

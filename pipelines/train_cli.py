@@ -28,8 +28,7 @@ def _setup(args, rl: bool = False):
     cfg = configs.load(args.preset, args.override)
     tok = ByteTokenizer()
     sandbox = make_sandbox(cfg.envs.sandbox)
-    e = cfg.envs
-    train = generate(e.patterns, e.n_rl, e.rl_seed) if rl and e.n_rl else generate(e.patterns, e.n_train, e.seed)
+    train = generate(cfg.envs.patterns, *(cfg.envs.rl_source if rl else (cfg.envs.n_train, cfg.envs.seed)))
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     return cfg, tok, sandbox, train, held
 

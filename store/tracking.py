@@ -13,6 +13,15 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
+def artifact_root(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: next to a sqlite store (`<db dir>/mlartifacts`), not
+    MLflow's default `./mlruns` in whatever directory the process was started from. None: MLflow's
+    choice (a file store keeps artifacts inside itself; a server has its own root)."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str = "temper"):
         import mlflow
@@ -22,7 +31,8 @@ class Tracker:
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+            experiment, artifact_location=artifact_root(tracking_uri))
         self.uri = tracking_uri
 
     def start(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:

@@ -1,6 +1,9 @@
 """The Dagster definitions: load, materialise a whole iteration on `micro`, lineage across iterations,
 blocking checks, MLflow, schedule and sensor."""
 
+from pathlib import Path
+from urllib.parse import urlparse
+
 import dagster as dg
 import pytest
 
@@ -63,6 +66,12 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert [m.step for m in loss] == list(range(len(loss)))
     plotted = {k for k, e in mats.items() if any(m == "plot" or m.endswith("_plot") for m in e.materialization.metadata)}
     assert plotted == set(mats), f"no plot on {set(mats) - plotted}"  # every materialisation carries one
+    assert all(r.info.status == "FINISHED" for r in stages)
+    art = client.list_artifacts(sft.info.run_id, "plots")
+    root = (tmp_path / "runs" / "mlartifacts").resolve()
+    assert art and exp.artifact_location == root.as_uri()  # beside the db, not ./mlruns of the working directory
+    local = Path(urlparse(sft.info.artifact_uri).path) / art[0].path
+    assert local.is_file() and local.is_relative_to(root)
 
     from rich.console import Console
 

@@ -31,3 +31,5 @@ def test_rl_set_is_disjoint_from_the_sft_set(tmp_path):
     plain = stages.verified_envs(cfg, stages.env_specs(configs.load("micro", ["envs.n_train=2", "envs.n_eval=1"]),
                                                        tmp_path / "e2"), tmp_path / "v2")
     assert "rl" not in plain and stages.rl_set(plain) == plain["train"]
+    # the CLI and the benches draw the same environments: (n_rl, rl_seed), or the SFT set's (n_train, seed)
+    assert cfg.envs.rl_source == (3, cfg.envs.rl_seed) and configs.load("micro", ["envs.n_train=2"]).envs.rl_source == (2, 0)
