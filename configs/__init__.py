@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from envs.config import EnvConfig
 from model.config import ModelConfig
 from rollout.config import AgentConfig
-from trainers.config import LoopConfig, OPDConfig, SAOConfig, TrainConfig
+from trainers.config import BaseConfig, LoopConfig, OPDConfig, SAOConfig, TrainConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -36,6 +36,7 @@ class IterationConfig(BaseModel):
     sao: SAOConfig = SAOConfig()
     opd: OPDConfig = OPDConfig()
     loop: LoopConfig = LoopConfig()
+    base: BaseConfig = BaseConfig()
     seed: int = 0
 
 

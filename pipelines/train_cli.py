@@ -218,3 +218,45 @@ def add_parser(sub) -> None:
     z = tsub.add_parser("resume", help="continue a killed SAO run from its last checkpoint")
     z.add_argument("--out", required=True)
     z.set_defaults(fn=cmd_resume)
+    add_base_parser(tsub)
+
+
+def cmd_base(args) -> int:
+    import shlex
+    import sys
+
+    from rich.console import Console
+
+    import configs
+    from envs import make_sandbox
+    from model import ByteTokenizer, save_checkpoint
+    from trainers.base import card_eval, eval_specs, train_base, write_card
+
+    con = Console()
+    cfg = configs.load(args.preset, args.override)
+    tok, sandbox = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "temper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "run.json").write_text(json.dumps({"command": command, "args": vars(args),
+                                              "config": cfg.model_dump(mode="json")}, indent=1, default=str))
+    model, record = train_base(cfg, out, tok, sandbox, steps=args.steps, log=con.print)
+    ckpt = out / "checkpoint"
+    save_checkpoint(model, ckpt, policy_version=0)
+    specs = eval_specs(cfg.base)
+    con.print(f"evaluating on {len(specs)} held-out tasks")
+    ev = card_eval(model, specs, tok, sandbox, cfg.agent)
+    card = write_card(ckpt, cfg, record, ev, specs, command)
+    for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])]:
+        con.print(f"  {k:32s} {v['pass@1']:.2f}  [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]  n={v['n']}")
+    con.print(f"base → {ckpt} (weights sha256 {card['weights_sha256'][:12]}…; card: {ckpt / 'CARD.md'})")
+    return 0
+
+
+def add_base_parser(tsub) -> None:
+    b = tsub.add_parser("base", help="the base policy recipe: curriculum SFT on oracle trajectories, then a card")
+    b.add_argument("--preset", default="tiny")
+    b.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--out", required=True)
+    b.add_argument("--steps", type=int, default=None, help="optimizer steps (default: base.steps of the preset)")
+    b.set_defaults(fn=cmd_base)

@@ -20,8 +20,8 @@ class TrainConfig(BaseModel):
     grad_clip: float = Field(default=1.0, gt=0)
     mtp_loss_weight: float = Field(default=0.3, ge=0)
     router_bias_rate: float = Field(default=1e-3, ge=0)
-    max_steps: int = Field(default=100_000, gt=0)
-    max_seconds: float = Field(default=60.0, gt=0)
+    max_steps: int = Field(default=600, gt=0)  # the SFT budget, in optimizer steps
+    max_seconds: float = Field(default=3600.0, gt=0)  # a safety cap: reaching it is an error, not a budget
 
 
 class SAOConfig(BaseModel):
@@ -69,3 +69,50 @@ class LoopConfig(BaseModel):
     n_slots: int = Field(default=8, gt=0)
     save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
     seed: int = 0
+
+
+class CurriculumStage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    from_step: int = Field(ge=0)  # this stage's pattern mix applies from this optimizer step on
+    patterns: list[str] = Field(min_length=1)
+
+
+class BaseConfig(BaseModel):
+    """The recipe of the shipped base checkpoint (`temper train base`) and where iteration 1 finds it.
+
+    The base is SFT on oracle trajectories of the task distribution with a pattern curriculum, bounded in
+    steps. The lr is constant after warmup, so the first N steps of a longer run *are* the N-step recipe:
+    any snapshot can be reproduced exactly with `--steps N`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # HF-layout checkpoint (relative to the repository root, or absolute) that iteration 1 starts from;
+    # None: iteration 1 runs SFT from scratch for `train.max_steps` steps (the micro preset's tests do)
+    checkpoint: str | None = None
+    steps: int = Field(default=2000, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    lr: float = Field(default=2e-3, gt=0)
+    warmup_steps: int = Field(default=50, ge=0)
+    curriculum: list[CurriculumStage] = Field(default_factory=lambda: [
+        CurriculumStage(from_step=0, patterns=["kv-lookup?horizon=1", "calc-chain?horizon=1", "set-const?horizon=1"])])
+    n_per_pattern: int = Field(default=200, gt=0)  # oracle trajectories per pattern
+    data_seed: int = 7
+    n_eval_per_pattern: int = Field(default=40, gt=0)  # the card's held-out pass@1 per pattern
+    eval_seed: int = 30_011
+    sample_size: int = Field(default=24, ge=0)  # tasks whose greedy outcomes the card pins (checked by a test)
+    snapshot_every: int = Field(default=250, gt=0)
+    max_seconds: float = Field(default=4 * 3600.0, gt=0)  # a safety cap: hitting it is an error, not a budget
+
+    @property
+    def patterns(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for st in self.curriculum:
+            seen.update(dict.fromkeys(st.patterns))
+        return list(seen)
+
+    def stage_at(self, step: int) -> CurriculumStage:
+        stages = sorted(self.curriculum, key=lambda s: s.from_step)
+        if stages[0].from_step != 0:
+            raise ValueError("base.curriculum: the first stage must start at from_step 0")
+        return [s for s in stages if s.from_step <= step][-1]

@@ -111,6 +111,11 @@ def dense_indexer_warmup(model: Transformer, batches: Iterator[torch.Tensor], st
     return kls
 
 
+class TimeCapExceeded(RuntimeError):
+    """A training run hit its wall-clock safety cap: budgets are in steps, so this means something is wrong
+    (a stalled machine, a mis-sized preset), and the run stops loudly instead of returning a shorter run."""
+
+
 def train_lm(
     model: Transformer,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]],
@@ -120,18 +125,21 @@ def train_lm(
     trainer: LMTrainer | None = None,
     elapsed: float = 0.0,
 ) -> list[StepStats]:
-    """Train until `steps` (default cfg.max_steps) or `cfg.max_seconds`, whichever comes first.
+    """Train for `steps` optimizer steps (default `cfg.max_steps`). The schedule depends on the step count
+    only, so the same seed gives the same weights on a busy machine and on a quiet one.
 
-    To resume, pass the restored `trainer` (its `step_no` and optimizer) and the seconds already spent
-    (`elapsed`): the schedule continues where it stopped instead of warming up again."""
+    `cfg.max_seconds` is a safety cap, not a budget: reaching it raises `TimeCapExceeded`. To resume, pass the
+    restored `trainer` (its `step_no` and optimizer) and the seconds already spent (`elapsed`)."""
     trainer = trainer or LMTrainer(model, cfg)
     total = steps or cfg.max_steps
     hist: list[StepStats] = []
     start = time.perf_counter() - elapsed
-    while trainer.step_no < total and time.perf_counter() - start < cfg.max_seconds:
+    while trainer.step_no < total:
+        if time.perf_counter() - start > cfg.max_seconds:
+            raise TimeCapExceeded(f"training hit its safety cap train.max_seconds={cfg.max_seconds:g} at step "
+                                  f"{trainer.step_no} of {total}; raise the cap or lower the step budget")
         ids, mask = next(batches)
-        progress = max(trainer.step_no / total, (time.perf_counter() - start) / cfg.max_seconds)
-        st = trainer.step(ids, mask, progress=progress)
+        st = trainer.step(ids, mask, progress=trainer.step_no / total)
         hist.append(st)
         if on_step:
             on_step(st)

@@ -1,0 +1,195 @@
+"""The base model recipe (`temper train base`): SFT on oracle trajectories of the task distribution with a
+pattern curriculum, bounded in steps, then a card with held-out pass@1 per pattern and 95% intervals.
+
+Real post-training starts from a pretrained base; on `tiny` the project trains its own once (an hour on two
+CPU cores) and ships the result under `checkpoints/`, so `make run` starts RL from a competent policy.
+
+Determinism: the data are the oracle replays of `generate([pattern], n_per_pattern, data_seed)`; the batch
+of step s is drawn from `random.Random((data_seed, s))` over the curriculum stage active at s (uniform over
+patterns, then over their segments); the lr is constant after warmup. So the first N steps of any run are
+exactly the N-step recipe, and a resumed run continues the same stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from envs import TaskSpec
+from envs.generator import generate
+from envs.sandbox import Sandbox
+from model import Transformer
+from model.tokenizer import Tokenizer
+from rollout.config import AgentConfig
+from rollout.types import Segment
+
+from .config import BaseConfig, TrainConfig
+from .stats import summarize
+
+CARD_JSON = "card.json"
+CARD_MD = "CARD.md"
+
+
+def pattern_key(spec: TaskSpec) -> str:
+    """The pattern a spec was generated from, in `family?k=v&…` form (knobs sorted)."""
+    return spec.family + "?" + "&".join(f"{k}={v}" for k, v in sorted(spec.knobs.items()))
+
+
+def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> tuple[dict[str, list[Segment]], dict]:
+    """Oracle segments per pattern and a manifest (spec sha256 and token sha256 per pattern)."""
+    from .sft import oracle_trajectories
+
+    pools: dict[str, list[Segment]] = {}
+    manifest: dict[str, dict] = {}
+    for j, p in enumerate(bc.patterns):
+        specs = generate([p], bc.n_per_pattern, bc.data_seed + 1000 * j)
+        trajs = oracle_trajectories(specs, tok, sandbox, agent)
+        segs = [s for t in trajs for s in t.segments if any(s.loss_mask)]
+        if not segs:
+            raise ValueError(f"base.curriculum: pattern {p!r} produced no trainable oracle segments")
+        pools[p] = segs
+        h = hashlib.sha256()
+        for s in segs:
+            h.update(json.dumps([s.tokens, s.loss_mask]).encode())
+        manifest[p] = {"specs": len(specs), "trajectories": len(trajs), "segments": len(segs),
+                       "spec_sha256": hashlib.sha256("".join(s.spec_hash for s in specs).encode()).hexdigest(),
+                       "tokens_sha256": h.hexdigest(), "trainable_tokens": sum(s.n_trainable for s in segs)}
+    return pools, manifest
+
+
+def batch_at(bc: BaseConfig, pools: dict[str, list[Segment]], step: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of optimizer step `step` (a pure function of the config, the data and the step)."""
+    rng = random.Random(f"{bc.data_seed}:{step}")
+    pats = bc.stage_at(step).patterns
+    pick = []
+    for _ in range(bc.batch_size):
+        segs = pools[pats[rng.randrange(len(pats))]]
+        pick.append(segs[rng.randrange(len(segs))])
+    width = max(len(s.tokens) for s in pick)
+    ids = torch.full((len(pick), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(pick), width, dtype=torch.bool)
+    for i, s in enumerate(pick):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[i, : len(s.tokens)] = torch.tensor(s.loss_mask)
+    return ids, mask
+
+
+def eval_specs(bc: BaseConfig) -> list[TaskSpec]:
+    """The card's held-out tasks: `n_eval_per_pattern` fresh instances of every curriculum pattern,
+    interleaved (so any prefix covers every pattern)."""
+    return generate(bc.patterns, bc.n_eval_per_pattern * len(bc.patterns), bc.eval_seed)
+
+
+def card_eval(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> dict:
+    """Greedy pass@1 with 95% Wilson intervals per pattern, per domain and overall, plus per-task rewards."""
+    from .sft import evaluate
+
+    ev = evaluate(model, specs, tok, sandbox, agent)
+    rewards = [t.reward for t in ev["trajectories"]]
+    by_pat, by_dom = defaultdict(list), defaultdict(list)
+    for s, r in zip(specs, rewards):
+        by_pat[pattern_key(s)].append(r)
+        by_dom[s.domain].append(r)
+    return {"pattern": {k: summarize(v) for k, v in by_pat.items()},
+            "domain": {k: summarize(v) for k, v in sorted(by_dom.items())},
+            "all": summarize(rewards), "rewards": rewards}
+
+
+def weights_sha256(ckpt: str | Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | None = None,
+               log: Callable[[str], None] = print) -> tuple[Transformer, dict]:
+    """Run the recipe into `out` (resumable from `out/state`); returns the model and the training record.
+    Snapshots every `base.snapshot_every` steps land in `out/snapshots/step-N` (HF layout)."""
+    from model import save_checkpoint
+
+    from .checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
+    from .lm import LMTrainer, TimeCapExceeded
+
+    bc: BaseConfig = cfg.base
+    total = steps or bc.steps
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    pools, manifest = base_data(bc, tok, sandbox, cfg.agent)
+    log(f"base data: {sum(m['segments'] for m in manifest.values())} oracle segments over {len(pools)} patterns "
+        f"({time.perf_counter() - t0:.0f} s)")
+    tc = TrainConfig(**{**cfg.train.model_dump(), "lr": bc.lr, "warmup_steps": bc.warmup_steps, "min_lr_ratio": 1.0,
+                        "batch_size": bc.batch_size, "max_steps": total, "max_seconds": bc.max_seconds})
+    model = Transformer(cfg.model)
+    trainer = LMTrainer(model, tc)
+    losses: list[float] = []
+    elapsed = 0.0
+    if complete_checkpoints(out / "state"):
+        st = restore(load_training_state(out / "state"), model, trainer.opt)
+        trainer.step_no, losses, elapsed = st.step, list(st.extra["loss"]), float(st.extra["elapsed"])
+        log(f"base: resumed at step {st.step}")
+    start = time.perf_counter() - elapsed
+    while trainer.step_no < total:
+        if time.perf_counter() - start > bc.max_seconds:
+            raise TimeCapExceeded(f"base training hit its safety cap base.max_seconds={bc.max_seconds:g} at step "
+                                  f"{trainer.step_no} of {total}")
+        s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id))
+        losses.append(round(s.loss, 5))
+        if trainer.step_no % bc.snapshot_every == 0 or trainer.step_no == total:
+            save_checkpoint(model, out / "snapshots" / f"step-{trainer.step_no}", policy_version=0)
+            save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
+                                policy_version=0, data_cursor=trainer.step_no, keep=1,
+                                extra={"loss": losses, "elapsed": time.perf_counter() - start})
+            window = losses[-bc.snapshot_every:]
+            log(f"base step {trainer.step_no}/{total}: loss {sum(window) / len(window):.4f} "
+                f"({time.perf_counter() - start:.0f} s)")
+    record = {"steps": total, "data": manifest, "loss_first_last": [losses[0], losses[-1]] if losses else [],
+              "train_seconds": round(time.perf_counter() - start, 1)}
+    return model, record
+
+
+def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], command: str) -> dict:
+    """card.json + CARD.md next to the weights."""
+    bc: BaseConfig = cfg.base
+    n = min(bc.sample_size, len(specs))
+    card = {
+        "command": command, "seed": cfg.seed, "commit": _commit(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "recipe": bc.model_dump(mode="json", exclude={"checkpoint"}), "model": cfg.model.model_dump(mode="json"),
+        "agent": cfg.agent.model_dump(mode="json"), "steps": record["steps"], "data": record["data"],
+        "train_seconds": record.get("train_seconds"), "loss_first_last": record.get("loss_first_last"),
+        "weights_sha256": weights_sha256(ckpt),
+        "eval": {"seed": bc.eval_seed, "n_per_pattern": bc.n_eval_per_pattern, "n": len(specs), "greedy": True,
+                 "pattern": ev["pattern"], "domain": ev["domain"], "all": ev["all"]},
+        "sample": {"n": n, "spec_ids": [s.id for s in specs[:n]], "rewards": ev["rewards"][:n]},
+    }
+    (ckpt / CARD_JSON).write_text(json.dumps(card, indent=1))
+    rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"
+                     for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])])
+    (ckpt / CARD_MD).write_text(
+        f"# {ckpt.name}\n\nThe base policy of the `tiny` preset: SFT on oracle trajectories of the task patterns "
+        f"with a curriculum, {record['steps']} steps.\n\n```bash\n{command}\n```\n\nseed {cfg.seed} · commit "
+        f"`{card['commit']}` · weights sha256 `{card['weights_sha256']}`\n\nHeld-out greedy pass@1 (fresh "
+        f"instances, seed {bc.eval_seed}), 95% Wilson intervals:\n\n| pattern / domain | pass@1 | 95% CI | n |\n"
+        f"|---|---|---|---|\n{rows}\n\nData (oracle replays per pattern; sha256 of the specs and of the token "
+        f"streams) and the full recipe are in `card.json`.\n")
+    return card
