@@ -76,7 +76,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
 
     it = context.partition_key
     d = temper.dir(it)
-    out = stages.env_specs(temper.config(), d / "envs")
+    out = stages.env_specs(temper.config(), d / "envs", iteration=int(it))
     _save(d, "env_specs", out)
     meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"], "n_rl": out["n_rl"]},
                   {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
@@ -137,9 +137,10 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     parent = _previous_student(context, it)
     out = _stage(context, pipes, temper, sandbox, trainer, "warm_start", d / "warm_start.json",
                  envs=_load(d, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
-    meta = _track(temper, it, "warm_start", out, {"pass_at_1": out["pass@1"], **_domain_metrics("pass_at_1", out["domain"])},
-                  {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none"})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or "none (SFT from scratch)"})
+    meta = _track(temper, it, "warm_start", out, {"sft_steps": out["sft_steps"]},
+                  {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]})
+    where = {"base": f"none (the shipped base {out['checkpoint']})", "sft": "none (SFT from scratch)"}
+    return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or where[out["source"]]})
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start], pool="duckdb_writer",
@@ -184,6 +185,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     it = context.partition_key
     d = temper.dir(it)
     envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
+    dom_reward = _load(d, "rollout_batches").get("domain_reward", {})
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
@@ -191,14 +193,18 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
             out[dom] = json.loads(res.read_text())
             continue
         out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
-                          domain=dom, out=str(d / "experts" / dom))
+                          domain=dom, out=str(d / "experts" / dom), domain_reward=dom_reward.get(dom))
         m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
-                   {"checkpoint": out[dom]["checkpoint"], "init": ws})
+                   {"checkpoint": out[dom]["checkpoint"], "init": ws, "skipped": out[dom].get("skipped") or "no"})
+        if out[dom].get("skipped"):
+            context.log.warning(f"no {dom} expert this iteration: {out[dom]['skipped']}")
         meta.update({f"{dom}_{k}": v for k, v in m.items()})
     _save(d, "sao_experts", out)
     return dg.MaterializeResult(metadata={**{f"{k}_checkpoint": v["checkpoint"] for k, v in out.items()},
                                           **{f"{k}_steps": v["steps"] for k, v in out.items()},
                                           **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
+                                          **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
+                                          **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
                                           **meta})
 
 
@@ -228,10 +234,14 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
                  student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
                  envs=_load(d, "verified_envs"), experts={k: v["checkpoint"] for k, v in experts.items()})
+    st = out["stats"]
+    ci = {f"{w}_{g}_ci{e}": v[w]["ci95"][i] for g, v in st.items() for w in ("before", "after")
+          for i, e in ((0, "lo"), (1, "hi"))}
+    flips = {f"{k}_{g}": v["test"][k] for g, v in st.items() for k in ("gained", "lost", "p_value")}
     meta = _track(temper, it, "evaluation", out, {"pass_at_1_before": out["pass@1_before"],
                                                   "pass_at_1_after": out["pass@1_after"],
                                                   **_domain_metrics("before", out["domain_before"]),
-                                                  **_domain_metrics("after", out["domain_after"])},
+                                                  **_domain_metrics("after", out["domain_after"]), **ci, **flips},
                   bars={"warm start": out["domain_before"], "student": out["domain_after"],
                         "experts (own domain)": out["domain_teacher"]})
     tr = temper.tracker()
@@ -240,11 +250,17 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
            params={"preset": temper.preset, "overrides": ",".join(temper.overrides), "student": out["student"]})
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
-    reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"])
+    reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"],
+                              significant=out["significant"], p_value=out["p_value"])
     tr.finish(run)
     out.update(registered=reg)
     _save(d, "evaluation", out)
-    return dg.MaterializeResult(metadata={**_meta(out), **meta,
+    table = "| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n|---|---|---|---|---|---|---|---|\n"
+    table += "\n".join(f"| {g} | {v['before']['pass@1']:.3f} | [{v['before']['ci95'][0]:.2f}, {v['before']['ci95'][1]:.2f}] | "
+                       f"{v['after']['pass@1']:.3f} | [{v['after']['ci95'][0]:.2f}, {v['after']['ci95'][1]:.2f}] | "
+                       f"{v['test']['gained']} | {v['test']['lost']} | {v['test']['p_value']:.4f} |" for g, v in st.items())
+    return dg.MaterializeResult(metadata={**_meta(out), **meta, "paired_comparison": dg.MetadataValue.md(table),
+                                          "champion_moved": reg["champion_moved"], "champion_reason": reg["reason"],
                                           "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))})
 
 

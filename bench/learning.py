@@ -1,17 +1,22 @@
-"""Learning on `tiny`: the whole chain of one iteration, held-out pass@1 per domain at each stage.
+"""Learning on `tiny`: whole iterations from the shipped base, several seeds, paired held-out statistics.
 
-    python bench/learning.py                          # the preset's budgets (what `make run` does)
-    python bench/learning.py -o train.max_seconds=720 -o loop.steps=60 --init runs/sft/checkpoint
+    python bench/learning.py                                  # 3 seeds × 1 iteration, the preset's budgets
+    python bench/learning.py --seeds 0 --iterations 2         # iteration 2 starts from iteration 1's student
+    python bench/learning.py --seeds 0 1 2 -o loop.steps=40   # any override
 
-Runs the pipeline's own stage functions (no Dagster): environments → gate → SFT warm start (or `--init`)
-→ one SAO expert per domain → multi-teacher OPD → evaluation, and prints pass@1 per domain for the warm
-start, each expert on its own domain, and the OPD student, with the student/teacher ratio.
+Runs the pipeline's own stage functions (no Dagster; the same code `make run` runs): environments → gate →
+warm start (the base, or the previous iteration's student) → rollouts on embedded servers → one SAO expert per
+domain (skipped, with its reason, when the domain's rollout reward leaves the band) → multi-teacher OPD →
+evaluation. A seed moves the RL and held-out environments and the training RNG, so seeds are independent
+replicates. Each iteration's student is compared with its warm start on the same held-out tasks: pass@1 with
+95% Wilson intervals, the tasks that flipped each way, and the exact McNemar p-value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -20,58 +25,93 @@ from common import table
 from configs import load
 from pipelines import stages
 
+SEED_STRIDE = 104_729
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("-o", "--override", action="append", default=[])
-    ap.add_argument("--init", default=None, help="a warm-start checkpoint instead of SFT")
-    ap.add_argument("--out", default="runs/bench-learning")
-    args = ap.parse_args()
-    cfg = load(args.preset, args.override)
-    out = Path(args.out)
-    say = lambda m: print(m, flush=True)  # noqa: E731
+
+def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> dict:
+    from rollout.backend import embedded_servers
+
     secs: dict[str, float] = {}
 
     def timed(name, fn, *a, **kw):
         t = time.perf_counter()
         r = fn(*a, **kw)
-        secs[name] = time.perf_counter() - t
-        say(f"{name}: {secs[name]:.0f} s")
+        secs[name] = round(time.perf_counter() - t, 1)
+        say(f"  {name}: {secs[name]:.0f} s")
         return r
 
-    specs = timed("env_specs", stages.env_specs, cfg, out / "envs")
-    envs = timed("verified_envs", stages.verified_envs, cfg, specs, out / "verified", log=say)
-    ws = timed("warm_start", stages.warm_start, cfg, envs, out / "warm_start", args.init, log=say)
+    specs = timed("env_specs", stages.env_specs, cfg, out / "envs", iteration)
+    envs = timed("verified_envs", stages.verified_envs, cfg, specs, out / "verified")
+    ws = timed("warm_start", stages.warm_start, cfg, envs, out / "warm_start", parent)
+    with embedded_servers(cfg.model, n=1, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8,
+                          seed=cfg.seed) as urls:
+        ro = timed("rollout_batches", stages.rollout_batches, cfg, ws["checkpoint"], envs, out / "store.duckdb",
+                   iteration, urls)
     experts = {}
-    for dom in sorted(ws["domain"]):
+    for dom in envs["domains"]:
         experts[dom] = timed(f"sao_{dom}", stages.sao_expert, cfg, ws["checkpoint"], envs, dom, out / "experts" / dom,
-                             log=lambda m: None)
+                             domain_reward=ro["domain_reward"].get(dom))
     live = {d: e["checkpoint"] for d, e in experts.items() if e["steps"] > 0}
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student")
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live)
-    rows = []
-    for dom in sorted(ev["domain_before"]):
-        b, a, t = ev["domain_before"][dom], ev["domain_after"][dom], ev["domain_teacher"].get(dom)
-        rows.append([dom, b, t if t is not None else "—", a, f"{a / t:.2f}" if t else "—", f"{a - b:+.2f}"])
-    rows.append(["all", ev["pass@1_before"], "", ev["pass@1_after"], "", f"{ev['pass@1_after'] - ev['pass@1_before']:+.2f}"])
-    table(f"held-out pass@1 on {args.preset} ({ev['n_eval']} environments)",
-          ["domain", "warm start", "SAO expert", "OPD student", "student/teacher", "Δ student"], rows)
-    pat = [[p, ev["pattern_before"][p], ev["pattern_teacher"].get(p, "—"), ev["pattern_after"].get(p, 0.0)]
-           for p in sorted(ev["pattern_before"])]
-    table("held-out pass@1 per pattern", ["pattern", "warm start", "SAO expert", "OPD student"], pat)
-    quarter = []
-    for dom, e in experts.items():
-        r = e.get("reward_curve") or []
-        q = max(1, len(r) // 4)
-        if r:
-            quarter.append([dom, len(r), sum(r[:q]) / q, sum(r[-q:]) / q])
-    table("SAO training reward (sampled, one rollout per prompt)", ["expert", "steps", "first quarter", "last quarter"],
-          quarter)
-    table("seconds per stage", ["stage", "seconds"], [[k, v] for k, v in secs.items()])
-    (out / "learning.json").write_text(json.dumps({"evaluation": ev, "seconds": secs, "overrides": args.override,
-                                                   "experts": {d: e.get("reward_curve") for d, e in experts.items()}},
-                                                  indent=1, default=str))
+    return {"evaluation": ev, "seconds": secs, "rollout_reward": ro["domain_reward"], "student": student["checkpoint"],
+            "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
+
+
+def ci(x: dict) -> str:
+    return f"{x['pass@1']:.3f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("-o", "--override", action="append", default=[])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--out", default="runs/bench-learning")
+    args = ap.parse_args()
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    results: dict[int, list[dict]] = {}
+    for seed in args.seeds:
+        base = load(args.preset, args.override)
+        cfg = load(args.preset, [*args.override, f"seed={base.seed + seed}",
+                                 f"envs.rl_seed={base.envs.rl_seed + SEED_STRIDE * seed}",
+                                 f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
+        parent = None
+        results[seed] = []
+        for it in range(1, args.iterations + 1):
+            say(f"seed {seed} · iteration {it}")
+            r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
+            results[seed].append(r)
+            parent = r["student"]
+            st = r["evaluation"]["stats"]
+            rows = [[g, v["test"]["n"], ci(v["before"]), ci(v["after"]), f"{v['test']['delta']:+.3f}",
+                     f"{v['test']['gained']} / {v['test']['lost']}", f"{v['test']['p_value']:.4f}",
+                     f"{r['evaluation']['domain_teacher'].get(g, float('nan')):.3f}" if g != "all" else ""]
+                    for g, v in st.items()]
+            table(f"seed {seed} · iteration {it} · held-out pass@1, student vs warm start (paired)",
+                  ["group", "n", "warm start", "student", "Δ", "gained / lost", "p (McNemar)", "expert"], rows)
+            table(f"seed {seed} · iteration {it} · experts", ["domain", "rollout reward", "SAO steps", "updates", "skipped"],
+                  [[d, f"{r['rollout_reward'].get(d, float('nan')):.3f}", e["steps"], e.get("updates") or 0,
+                    e.get("skipped") or ""] for d, e in r["experts"].items()])
+            table("seconds per stage", ["stage", "seconds"], [[k, v] for k, v in r["seconds"].items()])
+    for it in range(args.iterations):
+        groups = sorted(results[args.seeds[0]][it]["evaluation"]["stats"])
+        rows = []
+        for g in groups:
+            d = [results[s][it]["evaluation"]["stats"][g]["test"]["delta"] for s in args.seeds]
+            p = [results[s][it]["evaluation"]["stats"][g]["test"]["p_value"] for s in args.seeds]
+            b = [results[s][it]["evaluation"]["stats"][g]["before"]["pass@1"] for s in args.seeds]
+            a = [results[s][it]["evaluation"]["stats"][g]["after"]["pass@1"] for s in args.seeds]
+            sd = statistics.stdev(d) if len(d) > 1 else 0.0
+            rows.append([g, f"{statistics.mean(b):.3f}", f"{statistics.mean(a):.3f}", f"{statistics.mean(d):+.3f} ± {sd:.3f}",
+                         " ".join(f"{x:+.3f}" for x in d), " ".join(f"{x:.3f}" for x in p)])
+        table(f"iteration {it + 1} over seeds {args.seeds}: mean Δ ± sd (per-seed Δ and McNemar p)",
+              ["group", "warm start", "student", "Δ", "Δ per seed", "p per seed"], rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning.json").write_text(json.dumps({"overrides": args.override, "seeds": args.seeds,
+                                                   "results": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MTP speculative decoding at batch 1: accept length (tokens per verify) with 5 drafts and the speed-up
 over plain decoding, on the `tiny` model trained with the MTP loss (3 chained draft steps) on the
-generated corpus. Run: .venv/bin/python bench/mtp_spec.py [--train-seconds 120]
+generated corpus. Run: .venv/bin/python bench/mtp_spec.py [--train-steps 400]
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from trainers.lm import train_lm
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--train-seconds", type=float, default=120)
+    ap.add_argument("--train-steps", type=int, default=400)
     ap.add_argument("--drafts", type=int, default=5)
     ap.add_argument("--new", type=int, default=120)
     ap.add_argument("--prompts", type=int, default=6)
     args = ap.parse_args()
-    cfg = configs.load("tiny", [f"train.max_seconds={args.train_seconds}", "train.mtp_loss_weight=1.0",
+    cfg = configs.load("tiny", [f"train.max_steps={args.train_steps}", "train.mtp_loss_weight=1.0",
                                 "model.mtp_draft_steps=3"])
     torch.manual_seed(0)
     tok = ByteTokenizer()

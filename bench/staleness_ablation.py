@@ -1,86 +1,183 @@
-"""Ablation at staleness 0 / 2 / 4: SAO vs naive async PPO vs synchronous GRPO, from one warm start.
+"""Staleness ablation: SAO at bound τ ∈ {0, 2, 4} vs naive async PPO (no bound) vs synchronous GRPO.
 
-    python bench/staleness_ablation.py --init runs/bench-learning/warm_start/checkpoint --steps 30
+    python bench/staleness_ablation.py --init runs/bench-learning/warm_start/checkpoint --steps 30 --seeds 0 1 2
+    python bench/staleness_ablation.py --preset micro --steps 2 --seeds 0      # smoke run from a random init
 
-Staleness s is induced the same way for every method: the trainer pushes weights to the engine every
-s + 1 steps, so rollouts come from policies up to s versions old (async generation adds its own lag on
-top). Training runs on fresh environments (the preset's RL set), not the ones SFT saw. SAO: the
-double-sided token mask and the staleness bound τ = s. Naive async PPO: symmetric clip, no mask, no
-bound. GRPO: synchronous generation in groups of 4, group-normalised advantages.
-Reported per run: the mean batch reward over the last third of the steps (final reward), the spread of
-batch reward over that window and the largest KL (stability), samples dropped as stale, and held-out
-pass@1 after training.
+τ counts policy versions. Every async run pushes the trainer's weights to the engine after every updating
+step (`loop.push_every = 1`: one new policy version per actor update), and keeps `--in-flight` episodes
+running (by default 4 × the batch size), so a trajectory finishes — and waits in the queue — while the
+trainer makes several versions: its oldest generated token is `lag` versions behind the trainer when it is
+trained on. SAO drops every sample with lag > τ; naive async PPO (symmetric clip, no band mask, no bound) trains
+on all of them; GRPO generates synchronously in groups of 4 (lag 0 by construction).
+
+Reported per config (mean ± standard deviation over `--seeds`):
+* stale share: samples dropped by the staleness bound / samples that reached the trainer,
+* lag of the trained samples in policy versions (mean and max), and the mean lag of every sample received
+  (what the bound cut from), and the number of updating steps (versions made),
+* final reward (mean batch reward over the last third of the steps), its spread, the largest |KL|, and
+  held-out pass@1 after training.
+Training runs on the preset's RL set (environments SFT never saw).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
+import common  # noqa: F401 - puts the repository root on sys.path
 import torch
-from common import table
 
 import configs
 from envs import make_sandbox
 from envs.generator import generate
-from model import ByteTokenizer, load_checkpoint
+from model import ByteTokenizer, Transformer, load_checkpoint
 from trainers.loop import RLLoop
 from trainers.sft import evaluate
 
 
-def run_one(cfg, init: str, specs, held, method: str, s: int, steps: int, tok, sb) -> dict:
-    torch.manual_seed(cfg.seed)
-    actor = load_checkpoint(init)
+def _actor(cfg, init: str | None):
+    return load_checkpoint(init) if init else Transformer(cfg.model)
+
+
+def _instrument(trainer) -> dict:
+    """Record, at every `select`, each received sample's lag (trainer version − its oldest generated token's
+    version) and whether the trainer kept it."""
+    rec: dict = {"seen": 0, "lag_all": [], "lag_kept": []}
+    select = trainer.select
+
+    def wrapped(trajs, current_version):
+        kept = select(trajs, current_version)
+        keep = {id(t) for t in kept}
+        rec["seen"] += len(trajs)
+        for t in trajs:
+            oldest = t.policy_versions()[0]
+            if oldest < 0:
+                continue  # nothing generated (a crashed episode)
+            lag = current_version - oldest
+            rec["lag_all"].append(lag)
+            if id(t) in keep:
+                rec["lag_kept"].append(lag)
+        return kept
+
+    trainer.select = wrapped
+    return rec
+
+
+def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok, sb) -> dict:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    # the same warm start for every seed and method (a random init is drawn from the preset's seed)
+    if not args.init:
+        torch.manual_seed(cfg.seed)
+    actor = _actor(cfg, args.init)
+    torch.manual_seed(seed)
+    batch = args.batch_size or cfg.loop.batch_size
+    in_flight = args.in_flight or 4 * batch
     if method == "sao":
-        sao = cfg.sao.model_copy(update={"loss": "sao", "staleness": s})
-        lc = cfg.loop.model_copy(update={"mode": "async", "push_every": s + 1})
+        sao = cfg.sao.model_copy(update={"loss": "sao", "staleness": tau})
+        lc = cfg.loop.model_copy(update={"mode": "async", "push_every": 1, "batch_size": batch,
+                                         "in_flight": in_flight, "seed": seed})
     elif method == "ppo":
         sao = cfg.sao.model_copy(update={"loss": "ppo", "staleness": None})
-        lc = cfg.loop.model_copy(update={"mode": "async", "push_every": s + 1})
-    else:
+        lc = cfg.loop.model_copy(update={"mode": "async", "push_every": 1, "batch_size": batch,
+                                         "in_flight": in_flight, "seed": seed})
+    elif method == "grpo":
         sao = cfg.sao.model_copy(update={"loss": "grpo", "staleness": None})
-        lc = cfg.loop.model_copy(update={"mode": "sync", "push_every": s + 1, "group_size": 4})
+        lc = cfg.loop.model_copy(update={"mode": "sync", "push_every": 1, "group_size": 4, "batch_size": batch,
+                                         "seed": seed})
+    else:
+        raise ValueError(f"method {method!r}: expected sao, ppo or grpo")
     loop = RLLoop(actor, specs, tok, sb, cfg.agent, sao, lc, version=1)
+    rec = _instrument(loop.trainer)
     t = time.perf_counter()
-    hist = loop.run(steps)
+    hist = loop.run(args.steps)
     dt = time.perf_counter() - t
     tail = [h["batch_reward"] for h in hist[-max(1, len(hist) // 3):]]
-    ev = evaluate(actor, held, tok, sb, cfg.agent)
-    return {"method": method, "staleness": s, "final_reward": statistics.mean(tail),
-            "reward_std": statistics.pstdev(tail), "max_kl": max(abs(h.get("kl", 0.0)) for h in hist),
-            "dropped_stale": loop.trainer.dropped["stale"], "pass@1": ev["pass@1"], "seconds": dt,
-            "rewards": [h["batch_reward"] for h in hist]}
+    ev = evaluate(actor, held, tok, sb, cfg.agent) if args.eval else {"pass@1": float("nan")}
+    stale = loop.trainer.dropped["stale"]
+    return {"method": method, "tau": tau, "seed": seed, "in_flight": in_flight if method != "grpo" else None,
+            "final_reward": statistics.mean(tail), "reward_std": statistics.pstdev(tail),
+            "max_kl": max((abs(h.get("kl", 0.0)) for h in hist), default=0.0),
+            "updates": sum(bool(h.get("updated")) for h in hist), "seen": rec["seen"], "dropped_stale": stale,
+            "stale_share": stale / rec["seen"] if rec["seen"] else 0.0,
+            "lag_mean": float(statistics.mean(rec["lag_kept"])) if rec["lag_kept"] else 0.0,
+            "lag_max": max(rec["lag_kept"], default=0),
+            "lag_mean_received": float(statistics.mean(rec["lag_all"])) if rec["lag_all"] else 0.0,
+            "pass@1": ev["pass@1"], "seconds": dt, "rewards": [h["batch_reward"] for h in hist]}
+
+
+def _ms(xs: list[float], fmt: str = ".3f") -> str:
+    if any(x != x for x in xs):  # NaN: not measured (--no-eval)
+        return "n/a"
+    m = statistics.mean(xs)
+    s = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{m:{fmt}} ± {s:{fmt}}"
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(*map(str, r))
+    Console(width=max(200, Console().width)).print(t)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("-o", "--override", action="append", default=[])
-    ap.add_argument("--init", required=True, help="warm-start checkpoint (e.g. from bench/learning.py)")
+    ap.add_argument("--init", default=None,
+                    help="warm-start checkpoint (e.g. from bench/learning.py); default: a random init of the preset "
+                         "(a smoke run: it rarely earns a reward, so it makes few or no updates)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--staleness", default="0,2,4")
-    ap.add_argument("--methods", default="sao,ppo,grpo")
+    ap.add_argument("--taus", "--staleness", dest="taus", default="0,2,4",
+                    help="SAO staleness bounds τ, in policy versions (comma-separated)")
+    ap.add_argument("--methods", default="sao,ppo,grpo", help="sao runs once per τ; ppo and grpo once")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's loop.batch_size")
+    ap.add_argument("--in-flight", type=int, default=None, help="episodes in flight (default 4 × batch size)")
+    ap.add_argument("--no-eval", dest="eval", action="store_false", help="skip held-out pass@1")
     ap.add_argument("--out", default="runs/bench-ablation.json")
     args = ap.parse_args()
     cfg = configs.load(args.preset, args.override)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = generate(cfg.envs.patterns, *cfg.envs.rl_source)  # the RL set: environments SFT never saw
+    specs = generate(cfg.envs.rl_source_patterns, *cfg.envs.rl_source)  # the RL set: environments SFT never saw
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
-    base = evaluate(load_checkpoint(args.init), held, tok, sb, cfg.agent)["pass@1"]
-    rows, runs = [], []
-    for s in map(int, args.staleness.split(",")):
-        for m in args.methods.split(","):
-            r = run_one(cfg, args.init, specs, held, m, s, args.steps, tok, sb)
-            runs.append(r)
+    if args.eval:
+        torch.manual_seed(cfg.seed)
+        base = evaluate(_actor(cfg, args.init), held, tok, sb, cfg.agent)["pass@1"]
+    else:
+        base = float("nan")
+    methods = args.methods.split(",")
+    grid: list[tuple[str, int | None]] = []
+    if "sao" in methods:
+        grid += [("sao", int(s)) for s in args.taus.split(",")]
+    grid += [(m, None) for m in methods if m in ("ppo", "grpo")]
+    runs, rows = [], []
+    for method, tau in grid:
+        mine = []
+        for seed in args.seeds:
+            r = run_one(cfg, args, specs, held, method, tau, seed, tok, sb)
+            mine.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
-            rows.append([s, m, r["final_reward"], r["reward_std"], r["max_kl"], r["dropped_stale"], base, r["pass@1"],
-                         f"{r['seconds']:.0f}"])
-    table(f"staleness ablation on {args.preset} ({args.steps} steps each, warm start pass@1 {base:.2f})",
-          ["staleness", "method", "final reward", "reward std", "max |KL|", "dropped stale", "pass@1 before",
-           "pass@1 after", "seconds"], rows)
+        runs += mine
+        col = lambda k, mine=mine: [float(r[k]) for r in mine]  # noqa: E731
+        name = {"sao": f"SAO τ={tau}", "ppo": "async PPO, no bound", "grpo": "sync GRPO"}[method]
+        rows.append([name, _ms(col("stale_share")), _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
+                     _ms(col("lag_mean_received"), ".2f"), _ms(col("updates"), ".1f"), _ms(col("final_reward")),
+                     _ms(col("reward_std")), _ms(col("max_kl")), _ms(col("pass@1")), f"{sum(col('seconds')):.0f}"])
+    _table(f"staleness ablation on {args.preset}: {args.steps} steps, seeds {args.seeds}, push every update, "
+          f"τ in policy versions (pass@1 before: {base:.2f}; mean ± std over seeds)",
+          ["config", "stale share", "lag mean (trained)", "lag max (trained)", "lag mean (received)", "updates",
+           "final reward", "reward std", "max |KL|", "pass@1 after", "seconds"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(runs, indent=1))
 

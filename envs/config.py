@@ -13,6 +13,8 @@ class EnvConfig(BaseModel):
     patterns: list[str] = Field(default_factory=lambda: ["kv-lookup", "calc-chain", "set-const"])
     # held-out patterns; empty: the training patterns (a curriculum may train on easier variants)
     eval_patterns: list[str] = Field(default_factory=list)
+    # patterns of the RL set; empty: the training patterns
+    rl_patterns: list[str] = Field(default_factory=list)
     n_train: int = Field(default=240, ge=0)
     n_eval: int = Field(default=30, ge=0)
     # fresh environments for RL (rollouts, SAO experts, OPD), gated like the SFT set but never in it: on
@@ -31,6 +33,14 @@ class EnvConfig(BaseModel):
     def rl_source(self) -> tuple[int, int]:
         """(count, seed) of the environments RL trains in: the RL set, or the SFT set when there is none."""
         return (self.n_rl, self.rl_seed) if self.n_rl else (self.n_train, self.seed)
+
+    @property
+    def rl_source_patterns(self) -> list[str]:
+        return self.rl_patterns_or_default if self.n_rl else self.patterns
+
+    @property
+    def rl_patterns_or_default(self) -> list[str]:
+        return self.rl_patterns or self.patterns
 
     @property
     def held_out_patterns(self) -> list[str]:

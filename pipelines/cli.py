@@ -1,6 +1,6 @@
 """`temper` command line.
 
-    temper demo [--preset tiny] [--seconds 60] [--out runs/demo]   train, save, reload, sample
+    temper demo [--preset tiny] [--steps 300] [--out runs/demo]   train, save, reload, sample
     temper config show [--preset tiny] [-o key=value ...]           print the resolved config
 """
 
@@ -47,8 +47,8 @@ def cmd_demo(args) -> int:
 
     con = _console()
     overrides = list(args.override)
-    if args.seconds is not None:
-        overrides.append(f"train.max_seconds={args.seconds}")
+    if args.steps is not None:
+        overrides.append(f"train.max_steps={args.steps}")
     try:
         cfg = configs.load(args.preset, overrides)
     except configs.ConfigError as e:
@@ -71,11 +71,11 @@ def cmd_demo(args) -> int:
     t0 = time.perf_counter()
     with Progress(TextColumn("train"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=con, transient=True) as prog:
-        task = prog.add_task("", total=cfg.train.max_seconds)
+        task = prog.add_task("", total=cfg.train.max_steps)
 
         def on_step(st):
             hist.append(st)
-            prog.update(task, completed=min(time.perf_counter() - t0, cfg.train.max_seconds),
+            prog.update(task, completed=st.step,
                         description=f"step {st.step} loss {st.loss:.3f} mtp {st.mtp_loss:.3f}")
 
         train_lm(model, lm_batches(ids, cfg.train.seq_len, cfg.train.batch_size, seed=cfg.seed), cfg.train, on_step)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train the preset briefly, save, reload and sample")
     d.add_argument("--preset", default="tiny")
-    d.add_argument("--seconds", type=float, default=None, help="training time budget (default: the preset's)")
+    d.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's train.max_steps)")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--samples", type=int, default=20)
     d.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")

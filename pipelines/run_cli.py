@@ -44,16 +44,21 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
 
     ev, ro, ver, ws = load("evaluation"), load("rollout_batches"), load("verified_envs"), load("warm_start")
     sao = load("sao_experts")
-    t = Table(title=f"temper · {run_dir.name}", show_lines=False)
-    for c in ("domain", "warm start", "student", "Δ", "expert (teacher)"):
+    t = Table(title=f"temper · {run_dir.name} · held-out pass@1 (95% Wilson CI), paired exact McNemar", show_lines=False)
+    for c in ("domain", "n", "warm start", "student", "Δ", "gained / lost", "p", "expert (teacher)"):
         t.add_column(c, justify="right" if c != "domain" else "left")
     before, after, teach = ev.get("domain_before", {}), ev.get("domain_after", {}), ev.get("domain_teacher", {})
-    for dom in sorted(set(before) | set(after)):
-        b, a = before.get(dom, 0.0), after.get(dom, 0.0)
-        t.add_row(dom, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}", f"{teach[dom]:.2f}" if dom in teach else "—")
-    if ev:
-        t.add_row("all", f"{ev['pass@1_before']:.2f}", f"{ev['pass@1_after']:.2f}",
-                  f"{ev['pass@1_after'] - ev['pass@1_before']:+.2f}", "", style="bold")
+    st = ev.get("stats", {})
+
+    def cell(x):
+        return f"{x['pass@1']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
+
+    for dom in [*sorted(d for d in st if d != "all"), "all"] if st else []:
+        v = st[dom]
+        test = v["test"]
+        t.add_row(dom, str(test["n"]), cell(v["before"]), cell(v["after"]), f"{test['delta']:+.2f}",
+                  f"{test['gained']} / {test['lost']}", f"{test['p_value']:.3f}",
+                  f"{teach[dom]:.2f}" if dom in teach else "", style="bold" if dom == "all" else None)
     console.print(t)
     s = Table(title="stages")
     s.add_column("stage")
@@ -62,10 +67,12 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
     what = {
         "env_specs": "",
         "verified_envs": f"{ver.get('accepted', 0)}/{ver.get('total', 0)} environments admitted",
-        "warm_start": f"{ws.get('sft_steps', 0)} SFT steps" if not ws.get("parent") else f"from {ws.get('parent')}",
+        "warm_start": {"base": f"the shipped base {ws.get('checkpoint')}", "sft": f"{ws.get('sft_steps', 0)} SFT steps",
+                       "previous student": f"from {ws.get('parent')}"}.get(ws.get("source", ""), ""),
         "rollout_batches": f"{ro.get('trajectories', 0)} trajectories, {ro.get('tokens', 0):,} tokens, "
                            f"mean reward {ro.get('mean_reward', 0):.2f}",
-        "sao_experts": ", ".join(f"{d}: {v.get('steps', 0)} steps" for d, v in sao.items()),
+        "sao_experts": ", ".join(f"{d}: skipped" if v.get("skipped") else f"{d}: {v.get('steps', 0)} steps"
+                                 for d, v in sao.items()),
         "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps",
         "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
     }
@@ -73,7 +80,15 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         s.add_row(st, f"{seconds.get(st, 0.0):.0f}", what.get(st, ""))
     s.add_row("total (wall)", f"{wall:.0f}", "", style="bold")
     console.print(s)
+    for d, v in sao.items():
+        if v.get("skipped"):
+            console.print(f"[yellow]no {d} expert:[/] {v['skipped']}")
+    if ev:
+        console.print(f"student vs warm start: {ev.get('gained', 0)} tasks gained, {ev.get('lost', 0)} lost, "
+                      f"p = {ev.get('p_value', 1.0):.4f} ({'significant' if ev.get('significant') else 'not significant'}"
+                      f" at 0.05); champion {'moved' if ev.get('registered', {}).get('champion_moved') else 'kept'}")
     return {"domain_before": before, "domain_after": after, "domain_teacher": teach, "seconds": seconds, "wall": wall,
+            "stats": st, "p_value": ev.get("p_value"), "significant": ev.get("significant"),
             "trajectories": ro.get("trajectories"), "tokens": ro.get("tokens")}
 
 

@@ -19,18 +19,27 @@ def _dump(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
-def env_specs(cfg, out: Path) -> dict:
+ITERATION_SEED_STRIDE = 7_919
+
+
+def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
+    """Generate the iteration's environments: the held-out set (the same every iteration, so iterations compare),
+    the RL set and, without a base checkpoint, the SFT set — fresh instances every iteration (seeds offset by
+    the iteration), so RL never revisits environments an earlier iteration trained on."""
     from envs.dataset import write_dataset
     from envs.generator import generate
 
-    e = cfg.envs
-    train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
+    e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + ITERATION_SEED_STRIDE * (iteration - 1),
+                                    "rl_seed": cfg.envs.rl_seed + ITERATION_SEED_STRIDE * (iteration - 1)})
     held = write_dataset(generate(e.held_out_patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
-    res = {"train": str(out / "train"), "eval": str(out / "eval"), "n_train": train["n"], "n_eval": held["n"],
-           "families": train["families"], "sha256": train["sha256"], "n_rl": 0}
+    res = {"train": None, "eval": str(out / "eval"), "n_train": 0, "n_eval": held["n"], "n_rl": 0,
+           "families": {}, "eval_families": held["families"]}
+    if e.n_train or not e.n_rl:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
+        train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
+        res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])
     if e.n_rl:
-        rl = write_dataset(generate(e.patterns, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
-        res.update(rl=str(out / "rl"), n_rl=rl["n"])
+        rl = write_dataset(generate(e.rl_patterns_or_default, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
+        res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
     return res
 
 
@@ -68,11 +77,33 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
             "domains": sorted({s.domain for s in ok})}
 
 
-def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
-    """Iteration 1: SFT on oracle trajectories (resumable from `out/state`); later iterations start from the
-    previous student."""
-    import time
+def resolve_base(path: str) -> Path:
+    """A base checkpoint path from the config: absolute, or relative to the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(__file__).resolve().parents[1] / p
 
+
+def check_base(ckpt: Path) -> dict:
+    """The card of a shipped base checkpoint, after checking that its weights are the ones the card describes."""
+    from trainers.base import CARD_JSON, weights_sha256
+
+    if not (ckpt / "config.json").exists():
+        raise FileNotFoundError(f"base.checkpoint: {ckpt} is not an HF-layout checkpoint (no config.json)")
+    card_path = ckpt / CARD_JSON
+    if not card_path.exists():
+        return {}
+    card = json.loads(card_path.read_text())
+    got = weights_sha256(ckpt)
+    if got != card["weights_sha256"]:
+        raise ValueError(f"base.checkpoint: {ckpt} weights sha256 {got[:12]}… differ from its card's "
+                         f"{card['weights_sha256'][:12]}…")
+    return card
+
+
+def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
+    """The policy this iteration starts from: iteration N−1's student, else the shipped base checkpoint
+    (`base.checkpoint`), else — only when a preset has no base — SFT from scratch for `train.max_steps` steps on
+    oracle trajectories (resumable from `out/state`)."""
     import torch
 
     from envs.dataset import read_dataset
@@ -80,45 +111,52 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     from model import ByteTokenizer, Transformer, load_checkpoint, save_checkpoint
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.lm import LMTrainer, train_lm
-    from trainers.sft import evaluate, oracle_trajectories, sft_batches
+    from trainers.sft import oracle_trajectories, sft_batches
 
+    if parent_checkpoint:
+        log(f"warm start: iteration N−1's student {parent_checkpoint}")
+        return {"checkpoint": parent_checkpoint, "parent": parent_checkpoint, "source": "previous student",
+                "sft_steps": 0, "resumed_from_step": 0}
+    if cfg.base.checkpoint:
+        ckpt = resolve_base(cfg.base.checkpoint)
+        card = check_base(ckpt)
+        log(f"warm start: base checkpoint {ckpt} ({card.get('steps', '?')} recipe steps, card pass@1 "
+            f"{card.get('eval', {}).get('all', {}).get('pass@1', float('nan')):.2f})")
+        return {"checkpoint": str(ckpt), "parent": None, "source": "base", "sft_steps": 0, "resumed_from_step": 0,
+                "base_weights_sha256": card.get("weights_sha256"), "base_commit": card.get("commit"),
+                "base_card_pass@1": card.get("eval", {}).get("domain")}
+    if not envs.get("train"):
+        raise ValueError("warm start: no base.checkpoint and no SFT set (envs.n_train is 0)")
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    held = read_dataset(envs["eval"])
     losses: list[float] = []
     start = 0
-    if parent_checkpoint:
-        model = load_checkpoint(parent_checkpoint)
-    else:
-        torch.manual_seed(cfg.seed)
-        trajs = oracle_trajectories(read_dataset(envs["train"]), tok, sb, cfg.agent)
-        log(f"SFT data: {len(trajs)} oracle trajectories, {sum(t.n_trainable for t in trajs):,} trainable tokens")
-        model = Transformer(cfg.model)
-        trainer, elapsed = LMTrainer(model, cfg.train), 0.0
-        if complete_checkpoints(out / "state"):
-            state = restore(load_training_state(out / "state"), model, trainer.opt)
-            start = trainer.step_no = state.step
-            elapsed, losses = state.extra["elapsed"], list(state.extra["loss"])
-            log(f"SFT: resumed from {state.path} (step {start}, {elapsed:.0f} s in)")
-        batches = sft_batches(trajs, cfg.train.batch_size, tok.pad_id, cfg.seed)
-        for _ in range(start):  # the data cursor: the batch stream is deterministic given the seed
-            next(batches)
-        t0 = time.perf_counter() - elapsed
-        save_every = max(1, cfg.loop.save_every * 20)
+    torch.manual_seed(cfg.seed)
+    trajs = oracle_trajectories(read_dataset(envs["train"]), tok, sb, cfg.agent)
+    log(f"SFT data: {len(trajs)} oracle trajectories, {sum(t.n_trainable for t in trajs):,} trainable tokens")
+    model = Transformer(cfg.model)
+    trainer, elapsed = LMTrainer(model, cfg.train), 0.0
+    if complete_checkpoints(out / "state"):
+        state = restore(load_training_state(out / "state"), model, trainer.opt)
+        start = trainer.step_no = state.step
+        elapsed, losses = state.extra["elapsed"], list(state.extra["loss"])
+        log(f"SFT: resumed from {state.path} (step {start})")
+    batches = sft_batches(trajs, cfg.train.batch_size, tok.pad_id, cfg.seed)
+    for _ in range(start):  # the data cursor: the batch stream is deterministic given the seed
+        next(batches)
+    save_every = max(1, cfg.loop.save_every * 20)
 
-        def on_step(st) -> None:
-            losses.append(round(st.loss, 5))
-            if trainer.step_no % save_every == 0:
-                save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
-                                    policy_version=0, data_cursor=trainer.step_no, keep=2,
-                                    extra={"elapsed": time.perf_counter() - t0, "loss": losses})
-                log(f"SFT step {trainer.step_no}: loss {st.loss:.4f} ({time.perf_counter() - t0:.0f} s)")
+    def on_step(st) -> None:
+        losses.append(round(st.loss, 5))
+        if trainer.step_no % save_every == 0:
+            save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
+                                policy_version=0, data_cursor=trainer.step_no, keep=2,
+                                extra={"elapsed": elapsed + st.seconds, "loss": losses})
+            log(f"SFT step {trainer.step_no}/{cfg.train.max_steps}: loss {st.loss:.4f}")
 
-        train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
-    ev = evaluate(model, held, tok, sb, cfg.agent)
+    train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
     save_checkpoint(model, out / "checkpoint", policy_version=1)
-    return {"checkpoint": str(out / "checkpoint"), "parent": parent_checkpoint, "sft_steps": len(losses),
-            "resumed_from_step": start, "pass@1": ev["pass@1"], "domain": ev["domain"], "family": ev["family"],
-            "curves": {"sft_loss": losses}}
+    return {"checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft", "sft_steps": len(losses),
+            "resumed_from_step": start, "curves": {"sft_loss": losses}}
 
 
 def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteration: int, urls: list[str],
@@ -150,6 +188,9 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
         export = st.export_parquet(iteration, store_path.parent / "parquet")
     return {"trajectories": n, "tokens": sum(t.n_tokens for t in trajs), "store": str(store_path), "parquet": str(export),
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
+            "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),
+            "domain_reward": {d: sum(t.reward for t in trajs if t.domain == d) / sum(1 for t in trajs if t.domain == d)
+                              for d in sorted({t.domain for t in trajs})},
             "family_reward": {f: sum(t.reward for t in trajs if t.family == f) / sum(1 for t in trajs if t.family == f)
                               for f in sorted({t.family for t in trajs})}}
 
@@ -161,10 +202,25 @@ def rewards(store_path: Path, iteration: int) -> dict:
         return st.stats(iteration)
 
 
-def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet) -> dict:
+def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
+    """Why a domain gets no expert this iteration (None: train it). A batch whose rewards are all equal has
+    no outcome signal: its policy update would be driven by the critic's errors alone."""
+    if reward is None:
+        return None
+    lo, hi = cfg.sao.min_domain_reward, cfg.sao.max_domain_reward
+    if reward < lo:
+        return f"{domain}: rollout reward {reward:.3f} < sao.min_domain_reward {lo}: (almost) no successes to learn from"
+    if reward > hi:
+        return f"{domain}: rollout reward {reward:.3f} > sao.max_domain_reward {hi}: (almost) nothing left to learn"
+    return None
+
+
+def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet,
+               domain_reward: float | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
-    continues from it instead of starting over."""
+    continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
+    `rollout_batches`) leaves [sao.min_domain_reward, sao.max_domain_reward] is skipped with its reason."""
     import torch
 
     from envs.dataset import read_dataset
@@ -175,10 +231,12 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain]
+    reason = skip_reason(cfg, domain, domain_reward) or (None if specs else f"{domain}: no admitted RL environments")
+    if reason or cfg.loop.steps == 0:
+        log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
+        return {"checkpoint": checkpoint, "steps": 0, "domain": domain, "resumed_from_step": 0,
+                "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward}
     model = load_checkpoint(checkpoint)
-    if not specs or cfg.loop.steps == 0:
-        save_checkpoint(model, out / "checkpoint", policy_version=1)
-        return {"checkpoint": str(out / "checkpoint"), "steps": 0, "domain": domain, "resumed_from_step": 0}
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=1)
@@ -200,7 +258,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     loop.run(max(0, cfg.loop.steps - start), on_step)
     save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
-            "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"],
+            "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
+            "updates": sum(1 for h in hist if h.get("updated")), "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
             "reward_curve": [h.get("batch_reward", 0.0) for h in hist],
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss")}}
 
@@ -220,6 +279,10 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     from trainers.opd import OPDTrainer
     from trainers.teachers import TeacherPool
 
+    if not experts:  # every domain was skipped: nothing to distil, the student is the warm start
+        log("OPD: no domain experts this iteration; the student is the warm start")
+        return {"checkpoint": init, "steps": 0, "teachers": {}, "resumed_from_step": 0, "reverse_kl": [],
+                "skipped": "no domain experts (every domain was skipped)"}
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     student = load_checkpoint(init)
@@ -252,12 +315,16 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
 
 
 def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet) -> dict:
-    """Held-out pass@1 of the student and of the warm start (per domain and family), and of each domain's
-    expert on its own domain (the teacher the student is measured against)."""
+    """Held-out greedy pass@1 of the student and of the warm start on the same tasks, per domain and overall,
+    with 95% Wilson intervals and an exact McNemar test of the paired outcomes (tasks that flipped each way);
+    and each domain expert on its own domain (the teacher the student is measured against)."""
+    from collections import defaultdict
+
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint
     from trainers.sft import evaluate
+    from trainers.stats import compare, significant_gain, summarize
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     held = read_dataset(envs["eval"])
@@ -265,15 +332,31 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     log(f"student pass@1 {after['pass@1']:.3f} {after['domain']}")
     before = evaluate(load_checkpoint(baseline), held, tok, sb, cfg.agent)
     log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
-    teachers, teacher_pattern = {}, {}
+
+    def by_domain(ev):
+        d = defaultdict(list)
+        for s, t in zip(held, ev["trajectories"]):
+            d[s.domain].append(t.reward)
+        return dict(d)
+
+    stats = compare(by_domain(before), by_domain(after))
+    teachers, teacher_pattern, teacher_stats = {}, {}, {}
     for dom, ckpt in (experts or {}).items():
         mine = [s for s in held if s.domain == dom]
         if mine:
             ev = evaluate(load_checkpoint(ckpt), mine, tok, sb, cfg.agent)
             teachers[dom] = ev["pass@1"]
             teacher_pattern.update(ev["pattern"])
+            teacher_stats[dom] = summarize([t.reward for t in ev["trajectories"]])
     log(f"experts on their own domains: {teachers}")
+    overall = stats["all"]["test"]
+    log(f"student vs warm start on {overall['n']} paired tasks: {overall['gained']} gained, {overall['lost']} lost, "
+        f"exact McNemar p = {overall['p_value']:.4f}")
     return {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"], "domain_before": before["domain"],
             "domain_after": after["domain"], "family_before": before["family"], "family_after": after["family"],
             "pattern_before": before["pattern"], "pattern_after": after["pattern"], "pattern_teacher": teacher_pattern,
-            "domain_teacher": teachers, "n_eval": len(held), "student": student}
+            "domain_teacher": teachers, "teacher_stats": teacher_stats, "n_eval": len(held), "student": student,
+            "stats": stats, "gained": overall["gained"], "lost": overall["lost"], "p_value": overall["p_value"],
+            "significant": significant_gain(overall),
+            "domains_fell_significantly": [d for d, v in stats.items() if d != "all" and v["test"]["lost"] > v["test"]["gained"]
+                                           and v["test"]["p_value"] < 0.05]}

@@ -28,7 +28,8 @@ def _setup(args, rl: bool = False):
     cfg = configs.load(args.preset, args.override)
     tok = ByteTokenizer()
     sandbox = make_sandbox(cfg.envs.sandbox)
-    train = generate(cfg.envs.patterns, *(cfg.envs.rl_source if rl else (cfg.envs.n_train, cfg.envs.seed)))
+    train = (generate(cfg.envs.rl_source_patterns, *cfg.envs.rl_source) if rl
+             else generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed))
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     return cfg, tok, sandbox, train, held
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,11 +67,12 @@ class Agent:
         body = self.tok.encode(text)[: max(0, min(self.cfg.max_obs_tokens, room - 3))]
         return [self.tpl.role_ids["observation"], *body, self.tpl.end_id, self.tpl.role_ids["assistant"]]
 
-    async def _gen(self, seg: _Seg, max_new: int, sid: str) -> tuple[list[int], list[float], list[int], str]:
+    async def _gen(self, seg: _Seg, max_new: int, sid: str, seed: int | None = None
+                   ) -> tuple[list[int], list[float], list[int], str]:
         sp = {"max_new_tokens": max_new, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p,
               "stop_token_ids": self.tpl.stop_ids}
-        if self.cfg.seed is not None:
-            sp["sampling_seed"] = self.cfg.seed + len(seg.tokens)
+        if seed is not None:  # per episode and turn: the same environment, seed and weights sample the same tokens
+            sp["sampling_seed"] = (seed + len(seg.tokens)) % 2**63
         out = await self.policy.generate(seg.tokens, sp, return_logprob=True, session_id=sid)
         ids = list(out["output_ids"])
         meta = out.get("meta_info", {})
@@ -85,6 +87,7 @@ class Agent:
         segments: list[Segment] = []
         status, error, reward, details, engine = "truncated", None, 0.0, {}, self.engine_name
         env = Environment(spec, self.sandbox)
+        seed = None if cfg.seed is None else zlib.crc32(f"{cfg.seed}:{spec.id}:{iteration}".encode())
         try:
             goal = await asyncio.to_thread(env.reset)
             head = self._msg("system", cfg.system_prompt) + self._msg("user", goal)
@@ -103,7 +106,7 @@ class Agent:
                         break  # not even room to write a summary
                     seg.add(ask)
                     g0 = time.perf_counter()
-                    ids, lps, vers, engine = await self._gen(seg, budget, tid)
+                    ids, lps, vers, engine = await self._gen(seg, budget, tid, seed)
                     timings["generate"] += time.perf_counter() - g0
                     generated += len(ids)
                     seg.add(ids, True, lps, vers)
@@ -126,7 +129,7 @@ class Agent:
                 if room - reserve <= 8:
                     break  # out of context and out of compactions
                 g0 = time.perf_counter()
-                ids, lps, vers, engine = await self._gen(seg, min(cfg.max_action_tokens, room - reserve - 4), tid)
+                ids, lps, vers, engine = await self._gen(seg, min(cfg.max_action_tokens, room - reserve - 4), tid, seed)
                 timings["generate"] += time.perf_counter() - g0
                 generated += len(ids)
                 seg.add(ids, True, lps, vers)

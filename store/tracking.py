@@ -85,23 +85,29 @@ class Tracker:
     def artifact(self, run_id: str, path: str | Path) -> None:
         self.client.log_artifact(run_id, str(path))
 
-    def register_student(self, name: str, run_id: str, checkpoint: str, score: float) -> dict:
-        """Register the student as a model version; move the `champion` alias only when it beats the champion."""
+    def register_student(self, name: str, run_id: str, checkpoint: str, score: float, significant: bool = True,
+                         p_value: float | None = None) -> dict:
+        """Register the student as a model version; move the `champion` alias only when its improvement over
+        its warm start is significant (`significant`, from the paired test) and it beats the champion's score."""
         try:
             self.client.get_registered_model(name)
         except Exception:  # noqa: BLE001 - mlflow raises its own not-found error type
             self.client.create_registered_model(name)
-        mv = self.client.create_model_version(name, source=str(checkpoint), run_id=run_id,
-                                              tags={"pass_at_1": f"{score:.4f}"})
+        tags = {"pass_at_1": f"{score:.4f}", "significant": str(bool(significant))}
+        if p_value is not None:
+            tags["p_value"] = f"{p_value:.4g}"
+        mv = self.client.create_model_version(name, source=str(checkpoint), run_id=run_id, tags=tags)
         try:
             champ = self.client.get_model_version_by_alias(name, "champion")
             best = float(champ.tags.get("pass_at_1", "-1"))
         except Exception:  # noqa: BLE001 - no champion yet
             best = -1.0
-        moved = score > best
+        moved = bool(significant) and score > best
         if moved:
             self.client.set_registered_model_alias(name, "champion", mv.version)
-        return {"version": int(mv.version), "champion_moved": moved, "previous_best": best}
+        why = ("beats the champion significantly" if moved else "no significant gain over its warm start"
+               if not significant else f"pass@1 {score:.4f} does not beat the champion's {best:.4f}")
+        return {"version": int(mv.version), "champion_moved": moved, "previous_best": best, "reason": why}
 
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} · experiment {self.experiment_id} · run {run_id}"

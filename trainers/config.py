@@ -43,6 +43,10 @@ class SAOConfig(BaseModel):
     grad_clip: float = Field(default=1.0, gt=0)
     micro_rows: int = Field(default=8, gt=0)
     value_pretrain_steps: int = Field(default=50, ge=0)
+    # a domain whose rollout reward is outside [min, max] is skipped with a reason: with (nearly) every reward
+    # equal there is no outcome signal to learn from, only the critic's noise
+    min_domain_reward: float = Field(default=0.02, ge=0, le=1)
+    max_domain_reward: float = Field(default=0.98, ge=0, le=1)
 
 
 class OPDConfig(BaseModel):

@@ -61,6 +61,7 @@ class RLLoop:
         self._q: queue.Queue[Trajectory] = queue.Queue(maxsize=self.cfg.batch_size)
         self._stop = threading.Event()
         self._cursor = 0
+        self._since_push = 0  # actor updates not yet pushed to the engine
 
     def _next_spec(self) -> TaskSpec:
         s = self.specs[self._cursor % len(self.specs)]
@@ -142,8 +143,10 @@ class RLLoop:
                     break
                 batch = self._collect()
                 st = self.trainer.step(batch, self.version)
-                if (step + 1) % self.cfg.push_every == 0:
-                    st["push"] = self.push_weights()
+                self._since_push += int(st.get("updated", False))
+                if (step + 1) % self.cfg.push_every == 0 and self._since_push:
+                    st["push"] = self.push_weights()  # a step that changed nothing does not make a new version
+                    self._since_push = 0
                 st.update(elapsed=time.perf_counter() - t0, finished=self.finished, version=self.version,
                           batch_reward=sum(t.reward for t in batch) / len(batch))
                 hist.append(st)

@@ -180,8 +180,11 @@ class SAOTrainer:
         kept = self.select(trajs, current_version)
         stats: dict = {"trajectories": len(kept), "step": self.steps,
                        **{f"dropped_{k}": v for k, v in self.dropped.items()}}
+        stats["updated"] = False
         if not kept:
             return stats  # everything was stale or crashed: no update, the counters say why
+        rewards = [t.reward for t in kept]
+        stats["degenerate"] = max(rewards) == min(rewards)  # all equal: only the critic's errors drive the update
         self.actor.train()
         rows = layout(kept)
         adv, ret = self.advantages(kept, rows)
@@ -204,11 +207,17 @@ class SAOTrainer:
                 agg[k] = agg.get(k, 0.0) + v * float(share)
         gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
         lr = self.lr_at(self.steps)
+        stats.update(agg)
+        if not float(gn) > 0.0:  # every advantage zero (e.g. GRPO on a group of equal rewards): no update at all,
+            self.opt.zero_grad(set_to_none=True)  # not even Adam's momentum, and no new policy version
+            stats.update(lr=lr, tokens=float(n), entropy=ent_sum / float(n), grad_norm=0.0,
+                         reward_mean=sum(rewards) / len(kept))
+            return stats
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.opt.step()
         self.steps += 1
-        stats.update(agg)
+        stats["updated"] = True
         stats.update(lr=lr, tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
                      reward_mean=sum(t.reward for t in kept) / len(kept))
         return stats

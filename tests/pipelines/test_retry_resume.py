@@ -12,8 +12,8 @@ from assets import ALL_ASSETS, ITERATIONS, TemperResource
 from pipelines.definitions import make_resources
 from trainers.checkpoint import complete_checkpoints
 
-FAST = ["train.max_seconds=3", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false",
-        "loop.steps=3", "loop.save_every=1", "sao.value_pretrain_steps=1"]
+FAST = ["train.max_steps=6", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false",
+        "loop.steps=3", "loop.save_every=1", "sao.value_pretrain_steps=1", "sao.min_domain_reward=0"]
 
 
 def test_killed_sao_step_is_retried_and_resumes(tmp_path):

@@ -33,3 +33,36 @@ def test_rl_set_is_disjoint_from_the_sft_set(tmp_path):
     assert "rl" not in plain and stages.rl_set(plain) == plain["train"]
     # the CLI and the benches draw the same environments: (n_rl, rl_seed), or the SFT set's (n_train, seed)
     assert cfg.envs.rl_source == (3, cfg.envs.rl_seed) and configs.load("micro", ["envs.n_train=2"]).envs.rl_source == (2, 0)
+
+
+def test_a_domain_without_reward_signal_is_skipped_with_its_reason(tmp_path):
+    cfg = configs.load("micro")
+    assert stages.skip_reason(cfg, "math", None) is None
+    assert stages.skip_reason(cfg, "math", 0.5) is None
+    assert "no successes" in stages.skip_reason(cfg, "math", 0.0)
+    assert "nothing left" in stages.skip_reason(cfg, "math", 1.0)
+    envs = {"train": None, "rl": "unused"}
+    # skipped before any environment or checkpoint is touched: the expert is the warm start, with the reason
+    import pytest
+
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+
+    write_dataset(generate(["calc-chain?horizon=1"], 2, 5), tmp_path / "rl")
+    envs["rl"] = str(tmp_path / "rl")
+    out = stages.sao_expert(cfg, "/no/such/checkpoint", envs, "math", tmp_path / "x", domain_reward=0.0)
+    assert out["steps"] == 0 and out["checkpoint"] == "/no/such/checkpoint" and "no successes" in out["skipped"]
+    with pytest.raises(FileNotFoundError):  # a trainable domain does load its checkpoint
+        stages.sao_expert(cfg, "/no/such/checkpoint", envs, "math", tmp_path / "y", domain_reward=0.5)
+    opd = stages.opd_student(cfg, "/warm/start", {}, envs, tmp_path / "s")
+    assert opd["checkpoint"] == "/warm/start" and opd["steps"] == 0 and "no domain experts" in opd["skipped"]
+
+
+def test_each_iteration_draws_fresh_rl_environments_and_the_same_held_out_set(tmp_path):
+    cfg = configs.load("micro", ["envs.n_train=0", "envs.n_rl=3", "envs.n_eval=2"])
+    one = stages.env_specs(cfg, tmp_path / "1", iteration=1)
+    two = stages.env_specs(cfg, tmp_path / "2", iteration=2)
+    assert one["train"] is None and one["n_rl"] == 3
+    h1, h2 = read_dataset(one["eval"]), read_dataset(two["eval"])
+    assert [s.spec_hash for s in h1] == [s.spec_hash for s in h2]
+    assert not {s.spec_hash for s in read_dataset(one["rl"])} & {s.spec_hash for s in read_dataset(two["rl"])}

@@ -1,4 +1,9 @@
-"""The RL loop end to end on the micro model: async and sync modes, weight pushes, version stamps."""
+"""The RL loop end to end on the micro model: async and sync modes, weight pushes, version stamps.
+
+A randomly initialised micro policy never earns an environment's reward, so these tests set the rewards
+themselves (the `on_trajectory` hook sees every trajectory before the trainer does): alternating 0 / 1 gives
+every batch, and every GRPO group of two, a learning signal; all-equal rewards give GRPO none.
+"""
 
 import pytest
 import torch
@@ -8,29 +13,82 @@ from envs import make_sandbox
 from envs.generator import generate
 from model import ByteTokenizer, Transformer
 from rollout.agent import AgentConfig
-from trainers.loop import LoopConfig, RLLoop, weights_checksum
+from trainers.loop import LoopConfig, RLLoop
 from trainers.sao import SAOConfig
 
 TOK = ByteTokenizer()
+# short episodes: at most 16 generated tokens each
+AGENT = AgentConfig(system_prompt="Use tools.", max_context=384, max_action_tokens=8, max_total_tokens=16,
+                    max_obs_tokens=32, compact_margin=0)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_loop_trains_and_pushes_versioned_weights(mode):
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _loop(mode: str, rewards, **sao):
     torch.manual_seed(0)
     actor = Transformer(configs.load("micro").model)
     specs = generate(["kv-lookup", "calc-chain"], 6, seed=3)
     seen = []
-    loop = RLLoop(actor, specs, TOK, make_sandbox(), AgentConfig(system_prompt="Use tools.", max_context=384,
-                                                                  max_action_tokens=24, max_obs_tokens=64),
-                  SAOConfig(critic_updates=1, staleness=4, loss="sao" if mode == "async" else "grpo"),
-                  LoopConfig(mode=mode, batch_size=4, in_flight=4, n_slots=4, group_size=2 if mode == "sync" else 1),
-                  on_trajectory=seen.append)
-    hist = loop.run(3)
-    assert len(hist) == 3 and loop.version == 3 and [p["version"] for p in loop.pushes] == [1, 2, 3]
-    assert loop.pushes[-1]["checksum"] == weights_checksum(actor)  # the engine holds exactly the trainer's weights
-    assert all(h["trajectories"] + h["dropped_crashed"] + h["dropped_stale"] + h["dropped_empty"] >= 0 for h in hist)
-    assert len(seen) >= 12
+
+    def on_trajectory(t):
+        t.reward = rewards(len(seen))
+        seen.append(t)
+
+    group = 2 if mode == "sync" else 1
+    cfg = SAOConfig(**{"critic_updates": 1, "staleness": 4, "value_pretrain_steps": 2, "lr": 1e-3,
+                       "loss": "sao" if mode == "async" else "grpo", **sao})
+    loop = RLLoop(actor, specs, TOK, make_sandbox(), AGENT, cfg,
+                  LoopConfig(mode=mode, batch_size=4, in_flight=4, n_slots=4, group_size=group, push_every=1),
+                  on_trajectory=on_trajectory)
+    return loop, actor, seen
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_loop_trains_and_pushes_versioned_weights(mode):
+    loop, actor, seen = _loop(mode, lambda i: float(i % 2))
+    init = _snapshot(actor)
+    hist = loop.run(2)
+    assert len(hist) == 2
+    assert [h["updated"] for h in hist] == [True, True]
+    # the actor learned: its weights moved away from the initial ones
+    assert not _same(init, _snapshot(actor))
+    # one new policy version per updating step, and the engine holds exactly the trainer's weights
+    assert loop.version == 2 and [p["version"] for p in loop.pushes] == [1, 2] and [h["version"] for h in hist] == [1, 2]
+    assert _same(_snapshot(loop.engine.model), _snapshot(actor))
+    assert loop.engine.version == 2
+    assert len(seen) >= 8
     versions = {v for t in seen for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
-    assert versions <= set(range(0, 4)) and 0 in versions
+    assert versions <= {0, 1, 2} and 0 in versions
     if mode == "sync":  # every batch was generated entirely by the weights of its step
         assert all(t.policy_versions()[0] == t.policy_versions()[1] for t in seen)
+        assert {t.policy_versions()[0] for t in seen[:4]} == {0} and {t.policy_versions()[0] for t in seen[4:8]} == {1}
+
+
+def test_loop_step_without_signal_is_no_new_version():
+    """GRPO with equal rewards in every group: every advantage is 0, nothing may change and no version is made."""
+    loop, actor, _ = _loop("sync", lambda i: 1.0)
+    init = _snapshot(actor)
+    hist = loop.run(2)
+    assert [h["updated"] for h in hist] == [False, False]
+    assert loop.version == 0 and loop.pushes == [] and [h["version"] for h in hist] == [0, 0]
+    assert _same(init, _snapshot(actor)) and _same(init, _snapshot(loop.engine.model))
+
+
+def test_loop_all_stale_batch_is_no_new_version():
+    """The trainer is at version 3 while the engine still generates with version 0 and τ = 1: every sample is
+    stale, so the actor stays as it was and the version is not bumped."""
+    loop, actor, _ = _loop("sync", lambda i: float(i % 2), loss="sao", staleness=1, value_pretrain_steps=0)
+    loop.version = 3
+    init = _snapshot(actor)
+    hist = loop.run(1)
+    assert hist[0]["updated"] is False and hist[0]["dropped_stale"] == 4 and hist[0]["trajectories"] == 0
+    assert loop.version == 3 and loop.pushes == []
+    assert _same(init, _snapshot(actor))

@@ -6,7 +6,7 @@ from pipelines.cli import main
 
 
 def test_sft_then_sao_then_resume_then_opd(tmp_path):
-    o = ["-o", "train.max_seconds=4", "-o", "train.batch_size=4"]
+    o = ["-o", "train.max_steps=6", "-o", "train.batch_size=4"]
     assert main(["train", "sft", "--preset", "micro", *o, "--out", str(tmp_path / "sft")]) == 0
     rep = json.loads((tmp_path / "sft" / "report.json").read_text())
     assert rep["steps"] > 0 and 0 <= rep["pass@1_after"] <= 1

@@ -1,0 +1,98 @@
+"""The base recipe and the shipped base checkpoint.
+
+* the shipped checkpoint's weights are the ones its card describes, and loading it reproduces the card's
+  greedy outcomes task by task on the card's fixed sample;
+* the recipe is a pure function of (config, seed, steps): the first N steps of a longer run are the N-step run;
+* iteration 1 starts from the base and refuses weights that do not match their card.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import configs
+from envs import make_sandbox
+from model import ByteTokenizer, load_checkpoint
+from trainers.base import CARD_JSON, batch_at, eval_specs, train_base, weights_sha256
+from trainers.config import BaseConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / configs.load("tiny").base.checkpoint
+
+
+def test_shipped_base_card_hash_matches_the_weights():
+    card = json.loads((BASE / CARD_JSON).read_text())
+    assert weights_sha256(BASE) == card["weights_sha256"]
+    size = sum(f.stat().st_size for f in BASE.iterdir())
+    assert size < 20 * 2**20, f"the shipped base is {size / 2**20:.1f} MiB"
+    for k in ("command", "seed", "commit", "steps", "data", "eval"):
+        assert k in card, k
+    for p, v in card["eval"]["pattern"].items():
+        assert v["ci95"][0] <= v["pass@1"] <= v["ci95"][1], p
+
+
+def test_shipped_base_reproduces_its_cards_greedy_outcomes(one_thread):
+    from trainers.sft import evaluate
+    from rollout.config import AgentConfig
+
+    card = json.loads((BASE / CARD_JSON).read_text())
+    bc = BaseConfig(**card["recipe"])
+    n = card["sample"]["n"]
+    specs = eval_specs(bc)[:n]
+    assert [s.id for s in specs] == card["sample"]["spec_ids"]  # the same tasks, regenerated from the recipe
+    ev = evaluate(load_checkpoint(BASE), specs, ByteTokenizer(), make_sandbox("auto"), AgentConfig(**card["agent"]))
+    assert [t.reward for t in ev["trajectories"]] == card["sample"]["rewards"]
+    assert 0 < sum(card["sample"]["rewards"]) < n  # the sample tells a working base from a broken one
+
+
+def _micro(n_steps: int):
+    return configs.load("micro", ["base.n_per_pattern=2", "base.batch_size=2", f"base.steps={n_steps}",
+                                  "base.snapshot_every=2", "base.warmup_steps=1"])
+
+
+def test_first_n_steps_of_a_longer_run_are_the_n_step_run(tmp_path, one_thread):
+    tok, sb = ByteTokenizer(), make_sandbox("auto")
+    short, _ = train_base(_micro(2), tmp_path / "a", tok, sb, log=lambda m: None)
+    longer, rec = train_base(_micro(4), tmp_path / "b", tok, sb, log=lambda m: None)
+    snap = load_checkpoint(tmp_path / "b" / "snapshots" / "step-2")
+    for (k, v), (_, w) in zip(short.state_dict().items(), snap.state_dict().items()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=k)
+    assert any(not torch.equal(v, w) for v, w in zip(short.state_dict().values(), longer.state_dict().values()))
+    assert rec["steps"] == 4 and all(m["segments"] > 0 for m in rec["data"].values())
+
+
+def test_curriculum_batches_follow_the_stage_and_are_pure():
+    bc = BaseConfig(batch_size=8, curriculum=[{"from_step": 0, "patterns": ["a"]}, {"from_step": 5, "patterns": ["a", "b"]}])
+    from rollout.types import Segment
+
+    pools = {"a": [Segment([1, 2, 3], [False, True, True], [0.0] * 3, [0] * 3)],
+             "b": [Segment([7, 7, 7, 7], [False, False, True, True], [0.0] * 4, [0] * 4)]}
+    ids0, _ = batch_at(bc, pools, 0, pad_id=0)
+    assert (ids0[:, 0] == 1).all()  # stage 0: only pattern a
+    ids5, mask5 = batch_at(bc, pools, 5, pad_id=0)
+    assert {int(x) for x in ids5[:, 0]} == {1, 7}  # stage 1 mixes both (8 rows: both drawn with this seed)
+    ids5b, mask5b = batch_at(bc, pools, 5, pad_id=0)
+    assert torch.equal(ids5, ids5b) and torch.equal(mask5, mask5b)
+    with pytest.raises(ValueError, match="from_step 0"):
+        BaseConfig(curriculum=[{"from_step": 3, "patterns": ["a"]}]).stage_at(0)
+
+
+def test_warm_start_uses_the_base_and_rejects_tampered_weights(tmp_path):
+    import shutil
+
+    from pipelines import stages
+
+    cfg = configs.load("tiny")
+    out = stages.warm_start(cfg, {"train": None}, tmp_path / "ws", None)
+    assert out["source"] == "base" and Path(out["checkpoint"]) == BASE and out["sft_steps"] == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(BASE, bad)
+    w = bad / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="differ from its card"):
+        stages.warm_start(configs.load("tiny", [f"base.checkpoint={bad}"]), {"train": None}, tmp_path / "ws2", None)
+    assert stages.warm_start(cfg, {}, tmp_path / "ws3", "some/student")["source"] == "previous student"

@@ -1,0 +1,44 @@
+"""Evaluation statistics against hand computations."""
+
+
+import pytest
+
+from trainers.stats import binom_two_sided, compare, mcnemar_exact, significant_gain, summarize, wilson
+
+
+def test_wilson_matches_the_closed_form_by_hand():
+    # k = 5, n = 10, z = 1.96: centre (0.5 + 1.9208/10) / (1 + 3.8416/10) = 0.5; half-width
+    # 1.96 * sqrt(0.025 + 3.8416/400) / 1.38416 = 0.26340
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.5 - 0.26340, abs=2e-4) and hi == pytest.approx(0.5 + 0.26340, abs=2e-4)
+    # k = 0: the interval starts at 0 and is not degenerate (the normal approximation would give [0, 0])
+    lo, hi = wilson(0, 40)
+    assert lo == 0.0 and hi == pytest.approx(3.8415 / (40 + 3.8415), abs=1e-4)
+    assert wilson(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson(5, 4)
+
+
+def test_exact_mcnemar_counts_flips_and_matches_the_binomial_by_hand():
+    before = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
+    after = [1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0]
+    t = mcnemar_exact(before, after)
+    assert (t["gained"], t["lost"], t["both"], t["neither"]) == (8, 1, 2, 1)
+    # 9 discordant pairs, 1 in the minority: p = 2 * (C(9,0) + C(9,1)) / 2^9
+    assert t["p_value"] == pytest.approx(2 * (1 + 9) / 512)
+    assert t["delta"] == pytest.approx(7 / 12)
+    assert significant_gain(t)
+    assert not significant_gain(mcnemar_exact(after, before))  # the same flips the other way are a loss
+    # symmetric split: p = 1
+    assert binom_two_sided(3, 6) == pytest.approx(1.0)
+    assert binom_two_sided(0, 5) == pytest.approx(2 / 32)
+    with pytest.raises(ValueError, match="pair the same tasks"):
+        mcnemar_exact([1, 0], [1])
+
+
+def test_compare_groups_and_overall():
+    out = compare({"math": [0, 0, 1], "code": [1, 1]}, {"math": [1, 1, 1], "code": [1, 0]})
+    assert out["math"]["test"]["gained"] == 2 and out["code"]["test"]["lost"] == 1
+    assert out["all"]["before"]["k"] == 3 and out["all"]["after"]["k"] == 4 and out["all"]["test"]["n"] == 5
+    s = summarize([1, 0, 0, 1])
+    assert s["pass@1"] == 0.5 and s["ci95"][0] < 0.5 < s["ci95"][1]
