@@ -55,7 +55,7 @@ def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tenso
         loss = -_norm(torch.minimum(unclipped, clipped_obj), mask)
         clipped = _norm((unclipped.detach() > clipped_obj.detach()).float(), mask)
     elif cfg.kind == "tis":
-        w = ratio.detach()
+        w = ratio.detach().clamp(max=cfg.tis_cap)
         loss = -_norm(w * adv * logp, mask)
         clipped = _norm((ratio.detach() > cfg.tis_cap).float(), mask)
     else:
