@@ -51,7 +51,7 @@ def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConf
     manifest: dict[str, dict] = {}
     for j, p in enumerate(bc.patterns):
         specs = generate([p], bc.n_per_pattern, bc.data_seed + 1000 * j)
-        trajs = oracle_trajectories(specs, tok, sandbox, agent)
+        trajs = oracle_trajectories(specs, tok, sandbox, agent, concurrency=8)
         segs = [s for t in trajs for s in t.segments if any(s.loss_mask)]
         if not segs:
             raise ValueError(f"base.curriculum: pattern {p!r} produced no trainable oracle segments")
@@ -134,11 +134,18 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
     total = steps or bc.steps
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    pools, manifest = base_data(bc, tok, sandbox, cfg.agent)
+    cache = out / "data.pt"
+    key = json.dumps([bc.patterns, bc.n_per_pattern, bc.data_seed, cfg.agent.model_dump(mode="json")])
+    if cache.exists() and (blob := torch.load(cache, weights_only=False))["key"] == key:
+        pools, manifest = blob["pools"], blob["manifest"]  # the same oracle replays: regenerate only on change
+    else:
+        pools, manifest = base_data(bc, tok, sandbox, cfg.agent)
+        torch.save({"key": key, "pools": pools, "manifest": manifest}, cache)
     log(f"base data: {sum(m['segments'] for m in manifest.values())} oracle segments over {len(pools)} patterns "
         f"({time.perf_counter() - t0:.0f} s)")
     tc = TrainConfig(**{**cfg.train.model_dump(), "lr": bc.lr, "warmup_steps": bc.warmup_steps, "min_lr_ratio": 1.0,
-                        "batch_size": bc.batch_size, "max_steps": total, "max_seconds": bc.max_seconds})
+                        "batch_size": bc.batch_size, "max_steps": total, "max_seconds": bc.max_seconds,
+                        "mtp_train_steps": bc.mtp_train_steps})
     model = Transformer(cfg.model)
     trainer = LMTrainer(model, tc)
     losses: list[float] = []
@@ -154,6 +161,9 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
                                   f"{trainer.step_no} of {total}")
         s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id))
         losses.append(round(s.loss, 5))
+        if trainer.step_no % 50 == 0 and trainer.step_no % bc.snapshot_every:
+            log(f"base step {trainer.step_no}/{total}: loss {sum(losses[-50:]) / 50:.4f} "
+                f"({time.perf_counter() - start:.0f} s)")
         if trainer.step_no % bc.snapshot_every == 0 or trainer.step_no == total:
             save_checkpoint(model, out / "snapshots" / f"step-{trainer.step_no}", policy_version=0)
             save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,

@@ -67,7 +67,7 @@ class LMTrainer:
         total = loss
         mtp = torch.zeros(())
         if c.mtp_loss_weight > 0 and len(m.mtp_layers) and ids.shape[1] >= 3:
-            mtp = mtp_loss(m, out.hidden, ids, mask)
+            mtp = mtp_loss(m, out.hidden, ids, mask, steps=c.mtp_train_steps)
             total = total + c.mtp_loss_weight * mtp
         ix = torch.zeros(())
         if self.indexer_loss and out.indexer_stats:
