@@ -134,6 +134,7 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
     total = steps or bc.steps
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
     cache = out / "data.pt"
     key = json.dumps([bc.patterns, bc.n_per_pattern, bc.data_seed, cfg.agent.model_dump(mode="json")])
     if cache.exists() and (blob := torch.load(cache, weights_only=False))["key"] == key:
