@@ -1,6 +1,6 @@
 """Staleness ablation: SAO at bound τ ∈ {0, 2, 4} vs naive async PPO (no bound) vs synchronous GRPO.
 
-    python bench/staleness_ablation.py --init runs/bench-learning/warm_start/checkpoint --steps 30 --seeds 0 1 2
+    python bench/staleness_ablation.py --steps 30 --seeds 0 1 2                 # from the shipped base
     python bench/staleness_ablation.py --preset micro --steps 2 --seeds 0      # smoke run from a random init
 
 τ counts policy versions. Every async run pushes the trainer's weights to the engine after every updating
@@ -40,6 +40,10 @@ from trainers.sft import evaluate
 
 
 def _actor(cfg, init: str | None):
+    if init is None and cfg.base.checkpoint:  # the preset's shipped base: where iteration 1's RL starts
+        from pipelines.stages import resolve_base
+
+        init = str(resolve_base(cfg.base.checkpoint))
     return load_checkpoint(init) if init else Transformer(cfg.model)
 
 
@@ -135,8 +139,8 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("-o", "--override", action="append", default=[])
     ap.add_argument("--init", default=None,
-                    help="warm-start checkpoint (e.g. from bench/learning.py); default: a random init of the preset "
-                         "(a smoke run: it rarely earns a reward, so it makes few or no updates)")
+                    help="warm-start checkpoint; default: the preset's base.checkpoint (tiny: the shipped base), else a "
+                         "random init (a smoke run: it rarely earns a reward, so it makes few or no updates)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--taus", "--staleness", dest="taus", default="0,2,4",
                     help="SAO staleness bounds τ, in policy versions (comma-separated)")

@@ -140,7 +140,9 @@ class RLLoop:
                 self.trainer.value_pretrain(first)
             for step in range(steps):
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                    break
+                    from .lm import TimeCapExceeded
+
+                    raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
                 batch = self._collect()
                 st = self.trainer.step(batch, self.version)
                 self._since_push += int(st.get("updated", False))
