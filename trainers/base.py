@@ -6,8 +6,9 @@ CPU cores) and ships the result under `checkpoints/`, so `make run` starts RL fr
 
 Determinism: the data are the oracle replays of `generate([pattern], n_per_pattern, data_seed)`; the batch
 of step s is drawn from `random.Random((data_seed, s))` over the curriculum stage active at s (uniform over
-patterns, then over their segments); the lr is constant after warmup. So the first N steps of any run are
-exactly the N-step recipe, and a resumed run continues the same stream.
+patterns, then over their segments); the lr is warmup-stable-decay (constant, then a cosine to
+`final_lr_ratio` over the last `decay_steps`). So every run of a recipe shares its stable phase, and a resumed
+run continues the same stream.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
         torch.save({"key": key, "pools": pools, "manifest": manifest}, cache)
     log(f"base data: {sum(m['segments'] for m in manifest.values())} oracle segments over {len(pools)} patterns "
         f"({time.perf_counter() - t0:.0f} s)")
-    tc = TrainConfig(**{**cfg.train.model_dump(), "lr": bc.lr, "warmup_steps": bc.warmup_steps, "min_lr_ratio": 1.0,
+    tc = TrainConfig(**{**cfg.train.model_dump(), "lr": bc.lr, "warmup_steps": bc.warmup_steps,
+                        "min_lr_ratio": bc.final_lr_ratio,
                         "batch_size": bc.batch_size, "max_steps": total, "max_seconds": bc.max_seconds,
                         "mtp_train_steps": bc.mtp_train_steps})
     model = Transformer(cfg.model)
@@ -160,7 +162,9 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
         if time.perf_counter() - start > bc.max_seconds:
             raise TimeCapExceeded(f"base training hit its safety cap base.max_seconds={bc.max_seconds:g} at step "
                                   f"{trainer.step_no} of {total}")
-        s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id))
+        decay_from = total - min(bc.decay_steps, total)
+        s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id),
+                         progress=max(0.0, (trainer.step_no - decay_from) / max(1, total - decay_from)))
         losses.append(round(s.loss, 5))
         if trainer.step_no % 50 == 0 and trainer.step_no % bc.snapshot_every:
             log(f"base step {trainer.step_no}/{total}: loss {sum(losses[-50:]) / 50:.4f} "

@@ -87,8 +87,8 @@ class BaseConfig(BaseModel):
     """The recipe of the shipped base checkpoint (`temper train base`) and where iteration 1 finds it.
 
     The base is SFT on oracle trajectories of the task distribution with a pattern curriculum, bounded in
-    steps. The lr is constant after warmup, so the first N steps of a longer run *are* the N-step recipe:
-    any snapshot can be reproduced exactly with `--steps N`."""
+    steps. The lr schedule is warmup-stable-decay: the stable phase of every run with the same recipe is the
+    same, so a longer run can branch off any stable-phase snapshot (`--steps` resumes from `out/state`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -99,6 +99,9 @@ class BaseConfig(BaseModel):
     batch_size: int = Field(default=16, gt=0)
     lr: float = Field(default=2e-3, gt=0)
     warmup_steps: int = Field(default=50, ge=0)
+    # warmup-stable-decay: constant lr, then a cosine to final_lr_ratio·lr over the last decay_steps steps
+    decay_steps: int = Field(default=400, ge=0)
+    final_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     curriculum: list[CurriculumStage] = Field(default_factory=lambda: [
         CurriculumStage(from_step=0, patterns=["kv-lookup?horizon=1", "calc-chain?horizon=1", "set-const?horizon=1"])])
     n_per_pattern: int = Field(default=200, gt=0)  # oracle trajectories per pattern
