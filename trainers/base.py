@@ -101,7 +101,16 @@ def card_eval(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox
         by_dom[s.domain].append(r)
     return {"pattern": {k: summarize(v) for k, v in by_pat.items()},
             "domain": {k: summarize(v) for k, v in sorted(by_dom.items())},
-            "all": summarize(rewards), "rewards": rewards}
+            "all": summarize(rewards), "rewards": rewards, "trajectories": ev["trajectories"]}
+
+
+def tokens_sha256(trajs) -> str:
+    """sha256 of every segment's token ids of `trajs`, in order: greedy episodes repeat exactly."""
+    h = hashlib.sha256()
+    for t in trajs:
+        for s in t.segments:
+            h.update(json.dumps(s.tokens).encode())
+    return h.hexdigest()
 
 
 def weights_sha256(ckpt: str | Path) -> str:
@@ -164,7 +173,8 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
                                   f"{trainer.step_no} of {total}")
         decay_from = total - min(bc.decay_steps, total)
         s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id),
-                         progress=max(0.0, (trainer.step_no - decay_from) / max(1, total - decay_from)))
+                         progress=max(0.0, (trainer.step_no - decay_from) / max(1, total - decay_from)),
+                         dense=trainer.step_no < bc.dense_steps)
         losses.append(round(s.loss, 5))
         if trainer.step_no % 50 == 0 and trainer.step_no % bc.snapshot_every:
             log(f"base step {trainer.step_no}/{total}: loss {sum(losses[-50:]) / 50:.4f} "
@@ -195,7 +205,8 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
         "weights_sha256": weights_sha256(ckpt),
         "eval": {"seed": bc.eval_seed, "n_per_pattern": bc.n_eval_per_pattern, "n": len(specs), "greedy": True,
                  "pattern": ev["pattern"], "domain": ev["domain"], "all": ev["all"]},
-        "sample": {"n": n, "spec_ids": [s.id for s in specs[:n]], "rewards": ev["rewards"][:n]},
+        "sample": {"n": n, "spec_ids": [s.id for s in specs[:n]], "rewards": ev["rewards"][:n],
+                   "tokens_sha256": tokens_sha256(ev["trajectories"][:n])},
     }
     (ckpt / CARD_JSON).write_text(json.dumps(card, indent=1))
     rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"

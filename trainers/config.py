@@ -101,6 +101,9 @@ class BaseConfig(BaseModel):
     warmup_steps: int = Field(default=50, ge=0)
     # warmup-stable-decay: constant lr, then a cosine to final_lr_ratio·lr over the last decay_steps steps
     decay_steps: int = Field(default=400, ge=0)
+    # DSA's dense stage: the first dense_steps steps attend densely (the indexer learns to match that attention),
+    # then sparse over the indexer's top-k; from scratch, a random indexer hides most of the context
+    dense_steps: int = Field(default=0, ge=0)
     final_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     curriculum: list[CurriculumStage] = Field(default_factory=lambda: [
         CurriculumStage(from_step=0, patterns=["kv-lookup?horizon=1", "calc-chain?horizon=1", "set-const?horizon=1"])])

@@ -55,14 +55,17 @@ class LMTrainer:
         frac = min(1.0, max(0.0, progress))
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    def step(self, ids: torch.Tensor, mask: torch.Tensor | None = None, progress: float = 0.0) -> StepStats:
+    def step(self, ids: torch.Tensor, mask: torch.Tensor | None = None, progress: float = 0.0,
+             dense: bool = False) -> StepStats:
+        """One AdamW step. `dense`: the main attention sees every causal token (DSA's dense stage) while the
+        indexer learns to match it (its KL loss); otherwise attention is sparse over the indexer's top-k."""
         t0 = time.perf_counter()
         m, c = self.model, self.cfg
         m.train()
         lr = self.lr_at(self.step_no, progress)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        out = m.run(ids, collect_indexer=self.indexer_loss, detach_indexer_input=True)
+        out = m.run(ids, dense=dense, collect_indexer=self.indexer_loss, detach_indexer_input=True)
         loss = next_token_loss(out.logits, ids, mask)
         total = loss
         mtp = torch.zeros(())
