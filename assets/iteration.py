@@ -233,7 +233,8 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     experts = _load(d, "sao_experts")
     out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
                  student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
-                 envs=_load(d, "verified_envs"), experts={k: v["checkpoint"] for k, v in experts.items()})
+                 envs=_load(d, "verified_envs"),
+                 experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0})  # skipped: none
     st = out["stats"]
     ci = {f"{w}_{g}_ci{e}": v[w]["ci95"][i] for g, v in st.items() for w in ("before", "after")
           for i, e in ((0, "lo"), (1, "hi"))}
