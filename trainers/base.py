@@ -83,6 +83,13 @@ def batch_at(bc: BaseConfig, pools: dict[str, list[Segment]], step: int, pad_id:
     return ids, mask
 
 
+def decay_progress(bc: BaseConfig, step: int, total: int) -> float:
+    """Where step `step` of a `total`-step run sits in the decay phase: 0 through the stable phase, rising to 1
+    over the last `decay_steps` steps (the LM trainer's cosine goes from lr to final_lr_ratio·lr over it)."""
+    decay_from = total - min(bc.decay_steps, total)
+    return max(0.0, (step - decay_from) / max(1, total - decay_from))
+
+
 def eval_specs(bc: BaseConfig) -> list[TaskSpec]:
     """The card's held-out tasks: `n_eval_per_pattern` fresh instances of every curriculum pattern,
     interleaved (so any prefix covers every pattern)."""
@@ -171,9 +178,8 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
         if time.perf_counter() - start > bc.max_seconds:
             raise TimeCapExceeded(f"base training hit its safety cap base.max_seconds={bc.max_seconds:g} at step "
                                   f"{trainer.step_no} of {total}")
-        decay_from = total - min(bc.decay_steps, total)
         s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id),
-                         progress=max(0.0, (trainer.step_no - decay_from) / max(1, total - decay_from)),
+                         progress=decay_progress(bc, trainer.step_no, total),
                          dense=trainer.step_no < bc.dense_steps)
         losses.append(round(s.loss, 5))
         if trainer.step_no % 50 == 0 and trainer.step_no % bc.snapshot_every:
@@ -212,7 +218,7 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
     rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"
                      for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])])
     (ckpt / CARD_MD).write_text(
-        f"# {ckpt.name}\n\nThe base policy of the `tiny` preset: SFT on oracle trajectories of the task patterns "
+        f"# base policy, {record['steps']} steps\n\nThe base policy of the `tiny` preset: SFT on oracle trajectories of the task patterns "
         f"with a curriculum, {record['steps']} steps.\n\n```bash\n{command}\n```\n\nseed {cfg.seed} · commit "
         f"`{card['commit']}` · weights sha256 `{card['weights_sha256']}`\n\nHeld-out greedy pass@1 (fresh "
         f"instances, seed {bc.eval_seed}), 95% Wilson intervals:\n\n| pattern / domain | pass@1 | 95% CI | n |\n"

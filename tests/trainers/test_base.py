@@ -7,6 +7,7 @@
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import configs
 from envs import make_sandbox
-from model import ByteTokenizer, load_checkpoint
+from model import ByteTokenizer, Transformer, load_checkpoint
 from trainers.base import CARD_JSON, batch_at, eval_specs, tokens_sha256, train_base, weights_sha256
 from trainers.config import BaseConfig
 
@@ -96,3 +97,20 @@ def test_warm_start_uses_the_base_and_rejects_tampered_weights(tmp_path):
     with pytest.raises(ValueError, match="differ from its card"):
         stages.warm_start(configs.load("tiny", [f"base.checkpoint={bad}"]), {"train": None}, tmp_path / "ws2", None)
     assert stages.warm_start(cfg, {}, tmp_path / "ws3", "some/student")["source"] == "previous student"
+
+
+def test_warmup_stable_decay_schedule_by_hand():
+    from trainers.base import decay_progress
+    from trainers.config import TrainConfig
+    from trainers.lm import LMTrainer
+
+    bc = BaseConfig(decay_steps=4, final_lr_ratio=0.1)
+    tr = LMTrainer(Transformer(configs.load("micro").model),
+                   TrainConfig(lr=1e-3, warmup_steps=2, min_lr_ratio=bc.final_lr_ratio))
+    lrs = [tr.lr_at(s, decay_progress(bc, s, 10)) for s in range(10)]
+    assert lrs[:2] == pytest.approx([0.5e-3, 1e-3])  # linear warmup
+    assert lrs[2:6] == pytest.approx([1e-3] * 4)  # stable until step 10 - 4
+    # cosine from lr to 0.1·lr over steps 6..9: progress 0, 1/4, 2/4, 3/4
+    want = [1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert lrs[6:] == pytest.approx(want)
+    assert decay_progress(BaseConfig(decay_steps=0), 5, 10) == 0.0  # no decay: constant after warmup
