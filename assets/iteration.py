@@ -256,7 +256,8 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.finish(run)
     out.update(registered=reg)
     _save(d, "evaluation", out)
-    table = "| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n|---|---|---|---|---|---|---|---|\n"
+    table = ("| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n"
+             "|---|---|---|---|---|---|---|---|\n")
     table += "\n".join(f"| {g} | {v['before']['pass@1']:.3f} | [{v['before']['ci95'][0]:.2f}, {v['before']['ci95'][1]:.2f}] | "
                        f"{v['after']['pass@1']:.3f} | [{v['after']['ci95'][0]:.2f}, {v['after']['ci95'][1]:.2f}] | "
                        f"{v['test']['gained']} | {v['test']['lost']} | {v['test']['p_value']:.4f} |" for g, v in st.items())

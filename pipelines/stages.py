@@ -108,7 +108,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
 
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
-    from model import ByteTokenizer, Transformer, load_checkpoint, save_checkpoint
+    from model import ByteTokenizer, Transformer, save_checkpoint
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.lm import LMTrainer, train_lm
     from trainers.sft import oracle_trajectories, sft_batches
@@ -259,7 +259,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
-            "updates": sum(1 for h in hist if h.get("updated")), "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
+            "updates": sum(1 for h in hist if h.get("updated")),
+            "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
             "reward_curve": [h.get("batch_reward", 0.0) for h in hist],
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss")}}
 

@@ -218,8 +218,9 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
     rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"
                      for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])])
     (ckpt / CARD_MD).write_text(
-        f"# base policy, {record['steps']} steps\n\nThe base policy of the `tiny` preset: SFT on oracle trajectories of the task patterns "
-        f"with a curriculum, {record['steps']} steps.\n\n```bash\n{command}\n```\n\nseed {cfg.seed} · commit "
+        f"# base policy, {record['steps']} steps\n\nThe base policy of the `tiny` preset: SFT on oracle "
+        f"trajectories of the task patterns with a curriculum, {record['steps']} steps.\n\n"
+        f"```bash\n{command}\n```\n\nseed {cfg.seed} · commit "
         f"`{card['commit']}` · weights sha256 `{card['weights_sha256']}`\n\nHeld-out greedy pass@1 (fresh "
         f"instances, seed {bc.eval_seed}), 95% Wilson intervals:\n\n| pattern / domain | pass@1 | 95% CI | n |\n"
         f"|---|---|---|---|\n{rows}\n\nData (oracle replays per pattern; sha256 of the specs and of the token "

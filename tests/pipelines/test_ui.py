@@ -98,7 +98,8 @@ def test_cancelling_a_run_kills_the_pipes_child(webserver, tmp_path):
     finally:
         del os.environ["DAGSTER_HOME"]
     client = DagsterGraphQLClient("127.0.0.1", port_number=webserver["port"])
-    overrides = ["train.max_steps=100000", "train.max_seconds=600", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false"]
+    overrides = ["train.max_steps=100000", "train.max_seconds=600", "train.batch_size=4", "envs.n_train=4",
+                 "envs.n_eval=2", "envs.probes=false"]
     run_id = client.submit_job_execution(
         "iteration", tags={"dagster/partition": "1"},
         run_config={"resources": {"temper": {"config": {"preset": "micro", "overrides": overrides,

@@ -35,8 +35,8 @@ def test_shipped_base_card_hash_matches_the_weights():
 
 
 def test_shipped_base_reproduces_its_cards_greedy_outcomes(one_thread):
-    from trainers.sft import evaluate
     from rollout.config import AgentConfig
+    from trainers.sft import evaluate
 
     card = json.loads((BASE / CARD_JSON).read_text())
     bc = BaseConfig(**card["recipe"])
