@@ -36,11 +36,7 @@ class EnvConfig(BaseModel):
 
     @property
     def rl_source_patterns(self) -> list[str]:
-        return self.rl_patterns_or_default if self.n_rl else self.patterns
-
-    @property
-    def rl_patterns_or_default(self) -> list[str]:
-        return self.rl_patterns or self.patterns
+        return (self.rl_patterns or self.patterns) if self.n_rl else self.patterns
 
     @property
     def held_out_patterns(self) -> list[str]:

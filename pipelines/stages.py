@@ -38,7 +38,7 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
         train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
         res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])
     if e.n_rl:
-        rl = write_dataset(generate(e.rl_patterns_or_default, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
+        rl = write_dataset(generate(e.rl_source_patterns, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
         res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
     return res
 

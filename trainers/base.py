@@ -33,15 +33,11 @@ from rollout.config import AgentConfig
 from rollout.types import Segment
 
 from .config import BaseConfig, TrainConfig
+from .sft import pad_segments
 from .stats import summarize
 
 CARD_JSON = "card.json"
 CARD_MD = "CARD.md"
-
-
-def pattern_key(spec: TaskSpec) -> str:
-    """The pattern a spec was generated from, in `family?k=v&…` form (knobs sorted)."""
-    return spec.family + "?" + "&".join(f"{k}={v}" for k, v in sorted(spec.knobs.items()))
 
 
 def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> tuple[dict[str, list[Segment]], dict]:
@@ -74,13 +70,7 @@ def batch_at(bc: BaseConfig, pools: dict[str, list[Segment]], step: int, pad_id:
     for _ in range(bc.batch_size):
         segs = pools[pats[rng.randrange(len(pats))]]
         pick.append(segs[rng.randrange(len(segs))])
-    width = max(len(s.tokens) for s in pick)
-    ids = torch.full((len(pick), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(pick), width, dtype=torch.bool)
-    for i, s in enumerate(pick):
-        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        mask[i, : len(s.tokens)] = torch.tensor(s.loss_mask)
-    return ids, mask
+    return pad_segments(pick, pad_id)
 
 
 def decay_progress(bc: BaseConfig, step: int, total: int) -> float:
@@ -98,7 +88,7 @@ def eval_specs(bc: BaseConfig) -> list[TaskSpec]:
 
 def card_eval(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> dict:
     """Greedy pass@1 with 95% Wilson intervals per pattern, per domain and overall, plus per-task rewards."""
-    from .sft import evaluate
+    from .sft import evaluate, pattern_key
 
     ev = evaluate(model, specs, tok, sandbox, agent)
     rewards = [t.reward for t in ev["trajectories"]]

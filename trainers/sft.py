@@ -39,6 +39,22 @@ def oracle_trajectories(specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
     return [t for t in trajs if t.reward == 1.0]
 
 
+def pad_segments(segs: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], target mask [B, T]) of segments, right-padded to the longest."""
+    width = max(len(s.tokens) for s in segs)
+    ids = torch.full((len(segs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(segs), width, dtype=torch.bool)
+    for i, s in enumerate(segs):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[i, : len(s.tokens)] = torch.tensor(s.loss_mask)
+    return ids, mask
+
+
+def pattern_key(spec: TaskSpec) -> str:
+    """The pattern a spec was generated from, in `family?k=v&…` form (knobs sorted)."""
+    return spec.family + "?" + "&".join(f"{k}={v}" for k, v in sorted(spec.knobs.items()))
+
+
 def sft_batches(trajs: list[Trajectory], batch_size: int, pad_id: int, seed: int = 0
                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless shuffled batches of segments: (ids [B, T], target mask [B, T]) right-padded."""
@@ -47,14 +63,7 @@ def sft_batches(trajs: list[Trajectory], batch_size: int, pad_id: int, seed: int
         raise ValueError("no trainable segments in the SFT data")
     rng = random.Random(seed)
     while True:
-        pick = [segs[rng.randrange(len(segs))] for _ in range(batch_size)]
-        width = max(len(s.tokens) for s in pick)
-        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
-        mask = torch.zeros(batch_size, width, dtype=torch.bool)
-        for i, s in enumerate(pick):
-            ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-            mask[i, : len(s.tokens)] = torch.tensor(s.loss_mask)
-        yield ids, mask
+        yield pad_segments([segs[rng.randrange(len(segs))] for _ in range(batch_size)], pad_id)
 
 
 def evaluate(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
@@ -70,7 +79,7 @@ def evaluate(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox:
     for s, t in zip(specs, trajs):
         fam[s.family].append(t.reward)
         dom[s.domain].append(t.reward)
-        pat[s.family + "?" + "&".join(f"{k}={v}" for k, v in sorted(s.knobs.items()))].append(t.reward)
+        pat[pattern_key(s)].append(t.reward)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"pass@1": mean([t.reward for t in trajs]), "family": {k: mean(v) for k, v in fam.items()},
             "domain": {k: mean(v) for k, v in dom.items()}, "pattern": {k: mean(v) for k, v in pat.items()},
