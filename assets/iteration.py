@@ -179,9 +179,9 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards], retry_policy=LONG_STEP_RETRY,
-          description="One SAO-trained expert per domain, each from the warm start")
+          pool="duckdb_writer", description="One SAO-trained expert per domain, each from the warm start")
 def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
-                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
     envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
@@ -192,8 +192,11 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
         if res.exists():  # finished before a retry: keep it
             out[dom] = json.loads(res.read_text())
             continue
-        out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
-                          domain=dom, out=str(d / "experts" / dom), domain_reward=dom_reward.get(dom))
+        with rollout.stage_serving(temper.config()) as (urls, router_url):
+            out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
+                              domain=dom, out=str(d / "experts" / dom), domain_reward=dom_reward.get(dom),
+                              urls=urls, router_url=router_url, store_path=str(temper.store_path()),
+                              iteration=int(it))
         m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
                    {"checkpoint": out[dom]["checkpoint"], "init": ws, "skipped": out[dom].get("skipped") or "no"})
         if out[dom].get("skipped"):
@@ -209,15 +212,18 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts], retry_policy=LONG_STEP_RETRY,
+          pool="duckdb_writer",
           description="The student distilled from the domain experts by multi-teacher on-policy distillation")
 def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
-                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
     experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
-    out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
-                 init=_load(d, "warm_start")["checkpoint"], experts=experts, envs=_load(d, "verified_envs"),
-                 out=str(d / "student"))
+    with rollout.stage_serving(temper.config()) as (urls, router_url):
+        out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
+                     init=_load(d, "warm_start")["checkpoint"], experts=experts, envs=_load(d, "verified_envs"),
+                     out=str(d / "student"), urls=urls, router_url=router_url, store_path=str(temper.store_path()),
+                     iteration=int(it))
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
                   {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}})
@@ -225,16 +231,19 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
 
 
 @dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[opd_student], retry_policy=LONG_STEP_RETRY,
-          description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
+          pool="duckdb_writer", description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
 def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
-               sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
+               sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
     experts = _load(d, "sao_experts")
-    out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
-                 student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
-                 envs=_load(d, "verified_envs"),
-                 experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0})  # skipped: none
+    with rollout.stage_serving(temper.config()) as (urls, router_url):
+        out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
+                     student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
+                     envs=_load(d, "verified_envs"),
+                     experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},  # skipped: none
+                     urls=urls, router_url=router_url, store_path=str(temper.store_path()), out=str(d / "eval"),
+                     iteration=int(it))
     st = out["stats"]
     ci = {f"{w}_{g}_ci{e}": v[w]["ci95"][i] for g, v in st.items() for w in ("before", "after")
           for i, e in ((0, "lo"), (1, "hi"))}

@@ -63,6 +63,21 @@ class RolloutBackend(dg.ConfigurableResource):
     embedded_servers: int = 1
     urls: list[str] = []
     router_url: str = ""
+    # every generating stage (SAO, OPD, evaluation too) drives these servers; off: only rollout_batches does and
+    # the training stages use an in-process engine (the CPU default). SGLang servers are always used by all.
+    all_stages: bool = False
+
+    def for_stages(self) -> bool:
+        return self.all_stages or self.kind == "sglang"
+
+    @contextlib.contextmanager
+    def stage_serving(self, cfg) -> Iterator[tuple[list[str] | None, str]]:
+        """The servers a training/evaluation stage should use, or (None, "") for in-process."""
+        if not self.for_stages():
+            yield None, ""
+            return
+        with self.serving(cfg) as got:
+            yield got
 
     @contextlib.contextmanager
     def serving(self, cfg) -> Iterator[tuple[list[str], str]]:

@@ -181,6 +181,15 @@ def save_checkpoint(
     return path
 
 
+def weights_checksum(model: torch.nn.Module) -> str:
+    """sha256 over the state dict (names and bytes, in order): what a weight push checks on every engine."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:32]
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Put a fully written directory in place of `final` by renames (the old one is removed after)."""
     if final.exists():

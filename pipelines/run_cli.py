@@ -115,7 +115,8 @@ def cmd_run(args) -> int:
     con.print(f"[bold]temper[/] iteration {it} on [bold]{args.preset}[/] → {run_root / f'iteration-{int(it):04d}'}")
     t0 = time.perf_counter()
     res = defs.get_job_def("iteration").execute_in_process(
-        run_config={"resources": {"temper": {"config": cfg}},
+        run_config={"resources": {"temper": {"config": cfg}, **({"rollout": {"config": {
+                        "kind": "embedded", "embedded_servers": args.servers, "all_stages": True}}} if args.servers else {})},
                     "loggers": {"console": {"config": {"log_level": args.log_level}}}},
         instance=instance, partition_key=it, raise_on_error=False)
     wall = time.perf_counter() - t0
@@ -138,4 +139,8 @@ def add_parser(sub) -> None:
     r.add_argument("--run-root", default="runs/pipeline")
     r.add_argument("--log-level", default="INFO")
     r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--servers", type=int, default=0, metavar="N",
+                   help="disaggregated: every generating stage (rollouts, SAO, OPD, evaluation) drives N embedded engine "
+                        "servers by URL behind the router (default 0: one server for rollout_batches, in-process engines "
+                        "for the training stages)")
     r.set_defaults(fn=cmd_run)

@@ -19,6 +19,53 @@ def _dump(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
+def _backend(cfg, model, tok, out: Path, urls: list[str] | None, router_url: str, version: int, name: str):
+    """The stage's rollout backend: the servers at `urls` (given `model` as `version` through
+    `/update_weights_from_disk`) or, without URLs, an in-process engine."""
+    from rollout.backend import make_backend
+
+    return make_backend(model, tok, urls=urls, router_url=router_url, sync_dir=out / "sync", n_slots=cfg.loop.n_slots,
+                        max_len=cfg.agent.max_context + 8, version=version, name=name)
+
+
+class Recorder:
+    """Every trajectory a stage generates, and what the stage did with it, into the trajectory store.
+
+    Trajectories arrive as they finish (`add`, from any thread); `flush(consumption)` writes those not yet written
+    plus the new consumption rows in one transaction. Stages flush when they checkpoint, so after a kill the store
+    holds what the resumed stage's checkpoint saw. This stage process is the store's one writer meanwhile (its
+    asset holds the `duckdb_writer` pool). Without a store path nothing is written."""
+
+    def __init__(self, store_path: Path | str | None):
+        import threading
+
+        self.path = Path(store_path) if store_path else None
+        self.pending: list = []
+        self.lock = threading.Lock()
+        self.rows_done = 0
+        self.written = 0
+        self.rows = 0
+
+    def add(self, traj) -> None:
+        with self.lock:
+            self.pending.append(traj)
+
+    def flush(self, consumption: list[dict]) -> int:
+        if self.path is None:
+            return 0
+        from store import TrajectoryStore
+
+        with self.lock:
+            trajs, self.pending = self.pending, []
+        rows = consumption[self.rows_done:]
+        with TrajectoryStore(self.path) as st:
+            n = st.write(trajs, rows)
+        self.rows_done = len(consumption)
+        self.written += n
+        self.rows += len(rows)
+        return n
+
+
 ITERATION_SEED_STRIDE = 7_919
 
 
@@ -216,11 +263,16 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
 
 
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet,
-               domain_reward: float | None = None) -> dict:
+               domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
+               store_path: Path | None = None, iteration: int = 0) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
-    `rollout_batches`) leaves [sao.min_domain_reward, sao.max_domain_reward] is skipped with its reason."""
+    `rollout_batches`) leaves [sao.min_domain_reward, sao.max_domain_reward] is skipped with its reason.
+
+    Rollouts run on the servers at `urls` (behind temper's Router, or `router_url`) or, without URLs, on an
+    in-process engine; every trajectory and what SAO did with it (trained at step s, or dropped) goes to the
+    store at `store_path`."""
     import torch
 
     from envs.dataset import read_dataset
@@ -239,7 +291,10 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     model = load_checkpoint(checkpoint)
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
-    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=1)
+    backend = _backend(cfg, model, tok, out, urls, router_url, version=1, name=f"sao-{domain}")
+    rec = Recorder(store_path)
+    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=1, backend=backend,
+                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}")
     hist: list[dict] = []
     start = n0 = 0
     if state is not None:
@@ -253,29 +308,53 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         step = start + len(hist) - n0
         if step % cfg.loop.save_every == 0 or step == cfg.loop.steps:
             loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
-        log(f"{domain}: SAO step {step}/{cfg.loop.steps} reward {st['batch_reward']:.2f} v{st['version']}")
+            rec.flush(loop.consumption)
+        mm = (f" mismatch {st['mismatch_fresh_mean']:.1e} (max {st['mismatch_fresh_max']:.1e})"
+              if "mismatch_fresh_mean" in st else "")
+        log(f"{domain}: SAO step {step}/{cfg.loop.steps} reward {st['batch_reward']:.2f} v{st['version']}{mm}")
 
-    loop.run(max(0, cfg.loop.steps - start), on_step)
+    try:
+        loop.run(max(0, cfg.loop.steps - start), on_step)
+    finally:
+        backend.close()
+    rec.flush(loop.consumption)
     save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
             "updates": sum(1 for h in hist if h.get("updated")),
             "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
             "reward_curve": [h.get("batch_reward", 0.0) for h in hist],
-            "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss")}}
+            "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss",
+                                                                   "mismatch_fresh_mean", "mismatch_fresh_max")},
+            "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
+            "stored_consumption": rec.rows, **_mismatch_summary(hist)}
 
 
-def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet) -> dict:
-    """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`."""
-    import copy
+def _mismatch_summary(hist: list[dict]) -> dict:
+    """Training/inference mismatch over a stage: the mean of the per-step means and the largest gap seen."""
+    out = {}
+    for key in ("fresh", "all"):
+        means = [h[f"mismatch_{key}_mean"] for h in hist if f"mismatch_{key}_mean" in h]
+        if means:
+            out[f"mismatch_{key}_mean"] = sum(means) / len(means)
+            out[f"mismatch_{key}_max"] = max(h[f"mismatch_{key}_max"] for h in hist if f"mismatch_{key}_max" in h)
+            out[f"mismatch_{key}_frac_over_1e-3"] = sum(h[f"mismatch_{key}_frac_over_1e-3"] for h in hist
+                                                       if f"mismatch_{key}_mean" in h) / len(means)
+    return out
 
+
+def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet,
+                urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
+                iteration: int = 0) -> dict:
+    """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`.
+    The student's episodes run on the rollout backend (servers at `urls`, else in-process), which gets the
+    student after every step; every trajectory and its consuming step go to the store."""
     import torch
 
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
-    from rollout.agent import Agent, EnginePolicy, run_episodes
-    from rollout.engine import Engine
+    from rollout.agent import Agent, run_episodes
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.opd import OPDTrainer
     from trainers.teachers import TeacherPool
@@ -295,30 +374,56 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         state = restore(load_training_state(out / "state"), student, trainer.opt)
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")
-    engine = Engine(copy.deepcopy(student), tok, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8)
+    version = 1 + start  # the student's policy version on the engines: one per OPD step
+    backend = _backend(cfg, student, tok, out, urls, router_url, version=version, name="opd")
+    rec, consumption = Recorder(store_path), []
+
+    async def episodes(batch):
+        async with backend.session() as policy:
+            agent = Agent(policy, tok, sb, cfg.agent)
+            return await run_episodes(agent, batch, iteration, concurrency=cfg.loop.in_flight)
+
     try:
         for step in range(start, cfg.opd.steps if specs else 0):
             batch = [specs[(step * cfg.loop.batch_size + i) % len(specs)] for i in range(cfg.loop.batch_size)]
-            agent = Agent(EnginePolicy(engine), tok, sb, cfg.agent)
-            st = trainer.step(asyncio.run(run_episodes(agent, batch, concurrency=cfg.loop.in_flight)))
+            trajs = asyncio.run(episodes(batch))
+            for t in trajs:
+                rec.add(t)
+                vs = t.policy_versions()
+                outcome = ("dropped_crashed" if t.status in ("crashed", "aborted") else
+                           "dropped_empty" if not t.n_trainable else "trained")
+                consumption.append({"trajectory_id": t.trajectory_id, "stage": "opd", "consumer": "opd", "step": step + 1,
+                                    "policy_version": version, "staleness": version - vs[0] if vs else 0,
+                                    "outcome": outcome})
+            st = trainer.step(trajs, current_version=version)
             hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
-            engine.update_weights(state_dict={k: v.detach().clone() for k, v in student.state_dict().items()})
+            version += 1
+            backend.push(student, version)
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:
                 save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1, policy_version=2,
                                     data_cursor=step + 1, extra={"history": hist}, keep=2)
+                rec.flush(consumption)
             log(f"OPD step {step + 1}/{cfg.opd.steps} reverse KL {st.get('reverse_kl', 0.0):.4f}")
+        rec.flush(consumption)
     finally:
-        engine.shutdown()
+        backend.close()
         pool.close()
     save_checkpoint(student, out / "checkpoint", policy_version=2)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "resumed_from_step": start,
-            "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict()}
+            "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
+            "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,
+            **_mismatch_summary(hist)}
 
 
-def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet) -> dict:
+def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet,
+               urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
+               out: Path | None = None, iteration: int = 0) -> dict:
     """Held-out greedy pass@1 of the student and of the warm start on the same tasks, per domain and overall,
     with 95% Wilson intervals and an exact McNemar test of the paired outcomes (tasks that flipped each way);
-    and each domain expert on its own domain (the teacher the student is measured against)."""
+    and each domain expert on its own domain (the teacher the student is measured against). Episodes run on
+    the servers at `urls` when given (each policy loaded in turn), else in-process; every trajectory goes to the
+    store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`."""
+    import tempfile
     from collections import defaultdict
 
     from envs.dataset import read_dataset
@@ -329,9 +434,28 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     held = read_dataset(envs["eval"])
-    after = evaluate(load_checkpoint(student), held, tok, sb, cfg.agent)
+    rec, consumption = Recorder(store_path), []
+    work = Path(out) if out else Path(tempfile.mkdtemp(prefix="temper-eval-"))
+    loads = iter(range(1, 10_000))
+
+    def run(ckpt: str, specs, who: str) -> dict:
+        from rollout.backend import ServerBackend
+
+        backend = None
+        if urls:  # the servers load the checkpoint as it is on disk: no second copy
+            backend = ServerBackend(urls, work / "sync", router_url=router_url)
+            backend.load(ckpt, next(loads))
+        ev = evaluate(None if backend else load_checkpoint(ckpt), specs, tok, sb, cfg.agent, backend=backend)
+        for t in ev["trajectories"]:
+            t.iteration = iteration
+            rec.add(t)
+            consumption.append({"trajectory_id": t.trajectory_id, "stage": "eval", "consumer": f"eval:{who}",
+                                "step": None, "policy_version": 0, "staleness": 0, "outcome": "evaluated"})
+        return ev
+
+    after = run(student, held, "student")
     log(f"student pass@1 {after['pass@1']:.3f} {after['domain']}")
-    before = evaluate(load_checkpoint(baseline), held, tok, sb, cfg.agent)
+    before = run(baseline, held, "warm_start")
     log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
 
     def by_domain(ev):
@@ -345,11 +469,12 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     for dom, ckpt in (experts or {}).items():
         mine = [s for s in held if s.domain == dom]
         if mine:
-            ev = evaluate(load_checkpoint(ckpt), mine, tok, sb, cfg.agent)
+            ev = run(ckpt, mine, f"teacher:{dom}")
             teachers[dom] = ev["pass@1"]
             teacher_pattern.update(ev["pattern"])
             teacher_stats[dom] = summarize([t.reward for t in ev["trajectories"]])
     log(f"experts on their own domains: {teachers}")
+    rec.flush(consumption)
     overall = stats["all"]["test"]
     log(f"student vs warm start on {overall['n']} paired tasks: {overall['gained']} gained, {overall['lost']} lost, "
         f"exact McNemar p = {overall['p_value']:.4f}")
@@ -358,6 +483,6 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             "pattern_before": before["pattern"], "pattern_after": after["pattern"], "pattern_teacher": teacher_pattern,
             "domain_teacher": teachers, "teacher_stats": teacher_stats, "n_eval": len(held), "student": student,
             "stats": stats, "gained": overall["gained"], "lost": overall["lost"], "p_value": overall["p_value"],
-            "significant": significant_gain(overall),
+            "significant": significant_gain(overall), "stored_trajectories": rec.written,
             "domains_fell_significantly": [d for d, v in stats.items() if d != "all" and v["test"]["lost"] > v["test"]["gained"]
                                            and v["test"]["p_value"] < 0.05]}

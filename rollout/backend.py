@@ -1,4 +1,23 @@
-"""Where rollouts are generated: embedded temper servers, or SGLang servers (optionally behind a router).
+"""Where rollouts are generated, and how the trainer's weights get there: the Policy / WeightSync roles.
+
+Every stage that generates (rollout batches, SAO's async loop and sync GRPO, OPD, evaluation) asks a
+`RolloutBackend` for two things:
+
+* **Policy** — `async with backend.session() as policy`: an object with `generate(input_ids, sampling_params,
+  ...)` returning token ids, per-token log-probs and per-token policy versions (`EnginePolicy`, `EngineClient`
+  or `Router`). Open it inside the event loop that uses it.
+* **WeightSync** — `backend.push(model, version)`: after it returns, every engine serves `version` and the
+  record says so (version and weights checksum checked on every worker).
+
+Two implementations, chosen by configuration (`make_backend`), with nothing above them changing:
+
+* `InProcessBackend` — one engine in this process holding a copy of the weights; a push copies the state dict
+  between decoding steps (the CPU default, no HTTP hop).
+* `ServerBackend` — engine servers by URL (`temper serve`, the embedded servers below, or SGLang), behind
+  temper's `Router` or an external router (sglang-router). A push writes the checkpoint once, then on every
+  worker: `/pause_generation`, `/update_weights_from_disk`, a check of `weight_version` (and of the weights
+  checksum where the server reports one — temper's do, SGLang's do not), `/continue_generation`. A worker that
+  was down when a version was pushed rejoins the router only after it has loaded the current version.
 
     with embedded_servers(model_config, n=2) as urls:            # started here, stopped on exit
         asyncio.run(load_weights(urls, "runs/x/checkpoint"))
@@ -11,11 +30,23 @@ the router's URL for generation.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import copy
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
-from .client import EngineClient
+from .client import EngineClient, EngineUnavailable
 from .router import Router
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight push did not leave every live engine serving the pushed version with the pushed weights."""
 
 
 @contextlib.contextmanager
@@ -71,3 +102,171 @@ async def open_policy(urls: list[str], router_url: str = ""):
 
 async def close_policy(policy) -> None:
     await (policy.close() if isinstance(policy, Router) else policy.aclose())
+
+
+class InProcessBackend:
+    """Policy + WeightSync in this process: an `Engine` over a copy of `model` (the CPU default)."""
+
+    kind = "in-process"
+
+    def __init__(self, model, tok, n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process"):
+        from .engine import Engine
+
+        self.engine = Engine(copy.deepcopy(model).eval(), tok, n_slots=n_slots, max_len=max_len,
+                             policy_version=version, name=name)
+        self.version = version
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator:
+        from .agent import EnginePolicy
+
+        yield EnginePolicy(self.engine)
+
+    def push(self, model, version: int) -> dict:
+        from model import weights_checksum
+
+        t0 = time.perf_counter()
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        res = self.engine.update_weights(state_dict=sd, version=version)
+        want = weights_checksum(model)
+        if weights_checksum(self.engine.model) != want:
+            raise WeightSyncError(f"weight push v{version}: the engine's checksum differs from the trainer's")
+        self.version = version
+        return {"version": version, "checksum": want, "seconds": time.perf_counter() - t0,
+                "in_flight": res["num_paused_requests"], "workers": 1}
+
+    def abort(self) -> None:
+        self.engine.abort()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class ServerBackend:
+    """Policy + WeightSync over HTTP: engine servers at `urls`, behind temper's Router (or `router_url`).
+
+    Pushed checkpoints go to `sync_dir/v<version>` (the newest `keep` are kept); every worker must be able to read
+    that path (one machine, or a shared filesystem)."""
+
+    kind = "servers"
+
+    def __init__(self, urls: list[str], sync_dir: str | Path, router_url: str = "", keep: int = 2,
+                 health_interval: float = 1.0, retries: int = 2):
+        if not urls:
+            raise ValueError("ServerBackend needs at least one worker URL")
+        self.urls, self.router_url = list(urls), router_url
+        self.sync_dir, self.keep = Path(sync_dir), keep
+        self.health_interval, self.retries = health_interval, retries
+        self.version: int | None = None
+        self.current: tuple[str, int, str] | None = None  # (checkpoint path, version, checksum) every worker serves
+        self.pushes: list[dict] = []
+
+    # ---- Policy --------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator:
+        if self.router_url:
+            policy = EngineClient(self.router_url)
+            try:
+                yield policy
+            finally:
+                await policy.aclose()
+            return
+        router = Router(self.urls, retries=self.retries, health_interval=self.health_interval,
+                        on_rejoin=self._rejoin)
+        await router.start()
+        try:
+            yield router
+        finally:
+            await router.close()
+
+    async def _rejoin(self, client: EngineClient) -> None:
+        """A worker that answers again serves only after it holds the current version."""
+        if self.current is None:
+            return
+        path, version, checksum = self.current
+        info = await client.model_info()
+        if str(info.get("weight_version")) != str(version) or info.get("weights_checksum", checksum) != checksum:
+            await self._load(client, path, version, checksum)
+            log.warning("worker %s rejoined after loading policy v%s", client.url, version)
+
+    # ---- WeightSync ----------------------------------------------------------------------------------
+    async def _load(self, client: EngineClient, path: str, version: int, checksum: str | None) -> dict:
+        await client.pause()
+        try:
+            res = await client.update_weights_from_disk(path, weight_version=version)
+            if not res.get("success", False):
+                raise WeightSyncError(f"{client.url}: update_weights_from_disk({path}) refused: {res.get('message')}")
+            info = await client.model_info()
+        finally:
+            await client.resume()
+        if str(info.get("weight_version")) != str(version):
+            raise WeightSyncError(f"{client.url}: serves weight_version {info.get('weight_version')} after a push of v{version}")
+        got = info.get("weights_checksum")
+        if checksum is not None and got is not None and got != checksum:
+            raise WeightSyncError(f"{client.url}: weights checksum {got} after a push of v{version} ({checksum})")
+        return {"url": client.url, "in_flight": res.get("num_paused_requests", 0), "checksum_checked": got is not None}
+
+    async def _push_all(self, path: str, version: int, checksum: str | None) -> list:
+        clients = [EngineClient(u) for u in self.urls]
+        try:
+            return await asyncio.gather(*(self._load(c, path, version, checksum) for c in clients),
+                                        return_exceptions=True)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    def load(self, checkpoint: str | Path, version: int, checksum: str | None = None) -> dict:
+        """Point every worker at an existing checkpoint (the stage's starting policy)."""
+        t0 = time.perf_counter()
+        results = asyncio.run(self._push_all(str(checkpoint), version, checksum))
+        live = [r for r in results if isinstance(r, dict)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        hard = [e for e in errors if not isinstance(e, EngineUnavailable)]
+        if hard or not live:
+            raise WeightSyncError(f"weight push v{version}: " + "; ".join(str(e) for e in (hard or errors)))
+        for e in errors:  # unreachable: it is out of the router until it answers and loads this version
+            log.warning("weight push v%s skipped a worker that is down: %s", version, e)
+        self.version, self.current = version, (str(checkpoint), version, checksum)
+        rec = {"version": version, "checksum": checksum, "seconds": time.perf_counter() - t0, "workers": len(live),
+               "down": len(errors), "in_flight": sum(r["in_flight"] for r in live),
+               "checksum_checked": all(r["checksum_checked"] for r in live)}
+        self.pushes.append(rec)
+        return rec
+
+    def push(self, model, version: int) -> dict:
+        from model import save_checkpoint, weights_checksum
+
+        t0 = time.perf_counter()
+        path = self.sync_dir / f"v{version:06d}"
+        save_checkpoint(model, path, policy_version=version)
+        rec = self.load(path, version, weights_checksum(model))
+        rec["seconds"] = time.perf_counter() - t0
+        old = sorted(p for p in self.sync_dir.glob("v*") if p.is_dir())[: -self.keep]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        return rec
+
+    def abort(self) -> None:
+        async def go():
+            for u in self.urls:
+                c = EngineClient(u, timeout=10)
+                with contextlib.suppress(Exception):
+                    await c.abort()
+                await c.aclose()
+
+        asyncio.run(go())
+
+    def close(self) -> None:
+        """The servers belong to whoever started them: nothing to stop here."""
+
+
+def make_backend(model, tok, *, urls: list[str] | None = None, router_url: str = "", sync_dir: str | Path | None = None,
+                 n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process"):
+    """`ServerBackend` over `urls` (the model is pushed to them as `version`), else an `InProcessBackend`."""
+    if urls:
+        if sync_dir is None:
+            raise ValueError("a server rollout backend needs sync_dir (where pushed checkpoints are written)")
+        b = ServerBackend(urls, sync_dir, router_url=router_url)
+        b.push(model, version)
+        return b
+    return InProcessBackend(model, tok, n_slots=n_slots, max_len=max_len, version=version, name=name)

@@ -7,6 +7,9 @@
   reused across an episode's turns (re-pinned if that worker goes down).
 * Health: a background task polls `/health`; a worker that fails a request is marked down and the
   request is retried on another worker (up to `retries`).
+* Rejoin: a worker that answers again is given back work only after `on_rejoin(client)` succeeds — the
+  weight sync uses it to load the current policy version into a restarted server first, so no request is
+  ever served by stale weights.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ class NoHealthyWorker(RuntimeError):
 
 class Router:
     def __init__(self, urls: list[str], slots_per_worker: int | None = None, retries: int = 2,
-                 health_interval: float = 2.0):
+                 health_interval: float = 2.0, on_rejoin=None):
         if not urls:
             raise ValueError("router needs at least one worker URL")
         self.workers = [Worker(EngineClient(u), slots_per_worker or 0) for u in urls]
         self.retries, self.health_interval = retries, health_interval
+        self.on_rejoin = on_rejoin  # async (EngineClient) -> None, raising if the worker must stay out
         self.affinity: dict[str, Worker] = {}
         self._cv: asyncio.Condition | None = None
         self._health_task: asyncio.Task | None = None
@@ -80,6 +84,12 @@ class Router:
             await asyncio.sleep(self.health_interval)
             for w in self.workers:
                 ok = await w.client.health()
+                if ok and not w.healthy and self.on_rejoin is not None:
+                    try:
+                        await self.on_rejoin(w.client)
+                    except Exception as e:  # noqa: BLE001 - it stays out until a later check succeeds
+                        log.warning("worker %s answers but could not rejoin: %s", w.client.url, e)
+                        ok = False
                 if ok != w.healthy:
                     log.warning("worker %s is now %s", w.client.url, "up" if ok else "down")
                 w.healthy, w.last_check = ok, time.time()

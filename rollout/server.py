@@ -301,10 +301,21 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         r = await run(GenRequest([engine.tok.eos_id], SamplingParams(max_new_tokens=1)))
         return {"status": "ok", "tokens": len(r.output_ids)}
 
+    sums: dict[tuple, str] = {}  # weights checksum per loaded weights, computed once (what a weight push verifies)
+
+    def checksum() -> str:
+        v = (engine.version, engine.stats.weight_updates)
+        if v not in sums:
+            from model import weights_checksum
+
+            sums.clear()
+            sums[v] = weights_checksum(engine.model)
+        return sums[v]
+
     def model_info():
         return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
                 "served_model_name": served_name, "weight_version": str(engine.version),
-                "model_type": engine.cfg.model_type}
+                "weights_checksum": checksum(), "model_type": engine.cfg.model_type}
 
     def server_info():
         return {"engine": "temper-embedded", "max_total_num_tokens": engine.n_slots * engine.max_len,

@@ -19,6 +19,13 @@ guarantees it, no index is kept, which keeps ingest cheap):
     tokens INTEGER[]  loss_mask BOOLEAN[]  logprobs FLOAT[]  versions INTEGER[]
     start_turn, end_turn INTEGER  summary BOOLEAN
 
+``consumption`` — what a stage did with a trajectory it generated (several rows per trajectory are allowed):
+
+    trajectory_id VARCHAR  stage VARCHAR (sao | grpo | opd | eval)  consumer VARCHAR (e.g. `sao:math`, `eval:student`)
+    step INTEGER (the trainer step that consumed it; NULL for evaluation)
+    policy_version INTEGER (the trainer's version then)   staleness INTEGER (that minus the first token's version)
+    outcome VARCHAR (trained | value_pretrain | dropped_stale | dropped_crashed | dropped_empty | evaluated)
+
 ``rewards`` — a view over ``trajectories``: ids, provenance, reward, status and verifier details.
 ``store_meta`` — key/value; holds ``schema_version``.
 
@@ -71,6 +78,8 @@ import pyarrow.compute as pc
 from rollout.types import STATUSES, Segment, Trajectory
 
 SCHEMA_VERSION = 1
+OUTCOMES = ("trained", "value_pretrain", "dropped_stale", "dropped_crashed", "dropped_empty", "evaluated")
+CONSUMPTION_COLUMNS = ("trajectory_id", "stage", "consumer", "step", "policy_version", "staleness", "outcome")
 
 _DDL = f"""
 CREATE TABLE IF NOT EXISTS store_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
@@ -105,6 +114,15 @@ CREATE TABLE IF NOT EXISTS segments (
     start_turn INTEGER NOT NULL,
     end_turn INTEGER NOT NULL,
     summary BOOLEAN NOT NULL
+);
+CREATE TABLE IF NOT EXISTS consumption (
+    trajectory_id VARCHAR NOT NULL,
+    stage VARCHAR NOT NULL,
+    consumer VARCHAR NOT NULL,
+    step INTEGER,
+    policy_version INTEGER NOT NULL,
+    staleness INTEGER NOT NULL,
+    outcome VARCHAR NOT NULL CHECK (outcome IN ({", ".join(repr(s) for s in OUTCOMES)}))
 );
 CREATE VIEW IF NOT EXISTS rewards AS
     SELECT trajectory_id, iteration, env_id, family, domain, env_spec_hash, verifier_hash, engine,
@@ -560,6 +578,20 @@ class _Queries(ABC):
         return out
 
 
+def _consumption_rows(rows: Sequence[dict]) -> list[tuple]:
+    out = []
+    for r in rows:
+        missing = [c for c in CONSUMPTION_COLUMNS if c not in r and c != "step"]
+        if missing:
+            raise ValueError(f"consumption row for {r.get('trajectory_id')!r} lacks {missing}")
+        if r["outcome"] not in OUTCOMES:
+            raise ValueError(f"consumption outcome {r['outcome']!r} is not one of {', '.join(OUTCOMES)}")
+        out.append((str(r["trajectory_id"]), str(r["stage"]), str(r["consumer"]),
+                    None if r.get("step") is None else int(r["step"]), int(r["policy_version"]),
+                    int(r["staleness"]), r["outcome"]))
+    return out
+
+
 def _quote(s: str | os.PathLike) -> str:
     return "'" + str(s).replace("'", "''") + "'"
 
@@ -637,18 +669,30 @@ class TrajectoryStore(_Queries):
 
     # -- writing
 
-    def write(self, trajs: Sequence[Trajectory]) -> int:
-        """Append `trajs` in one transaction (all or nothing); returns how many were written.
+    def write(self, trajs: Sequence[Trajectory], consumption: Sequence[dict] = ()) -> int:
+        """Append `trajs` (and their `consumption` rows, dicts with CONSUMPTION_COLUMNS) in one transaction
+        (all or nothing); returns how many trajectories were written.
 
         Raises DuplicateTrajectoryError (a ValueError) naming ids that are already stored or repeated in
-        the batch, and ValueError/TypeError for malformed trajectories; in every case nothing is written.
+        the batch, and ValueError/TypeError for malformed trajectories or consumption rows; in every case
+        nothing is written.
         """
         trajs = list(trajs)
-        if not trajs:
+        if not trajs and not consumption:
             return 0
-        return self.write_arrow(*to_arrow(trajs))
+        if not trajs:
+            self.write_arrow(*to_arrow([]), consumption=consumption)
+            return 0
+        return self.write_arrow(*to_arrow(trajs), consumption=consumption)
 
-    def write_arrow(self, traj_tbl: pa.Table, seg_tbl: pa.Table) -> int:
+    def consumption(self, stage: str | None = None) -> list[dict]:
+        """Consumption rows (optionally of one stage), in insertion order."""
+        with self._snapshot() as cur:
+            q = "SELECT * FROM consumption" + (" WHERE stage = ?" if stage else "")
+            rows = cur.execute(q, [stage] if stage else []).fetchall()
+        return [dict(zip(CONSUMPTION_COLUMNS, r)) for r in rows]
+
+    def write_arrow(self, traj_tbl: pa.Table, seg_tbl: pa.Table, consumption: Sequence[dict] = ()) -> int:
         """Append pre-built tables (see `to_arrow`) in one transaction; same rules as `write`."""
         if self.read_only:
             raise RuntimeError(f"{self.path} was opened read-only")
@@ -669,6 +713,7 @@ class TrajectoryStore(_Queries):
         if have != want:
             bad = sorted(i for i in set(have) | set(want) if have.get(i) != want.get(i))
             raise ValueError(f"segments table does not match n_segments of the trajectories table for {_show(bad)}")
+        crow = _consumption_rows(consumption)
         with self._wlock:
             if self._cursors.closed:
                 raise RuntimeError("the store is closed")
@@ -680,6 +725,8 @@ class TrajectoryStore(_Queries):
                 try:
                     con.execute("INSERT INTO trajectories BY NAME SELECT * FROM _temper_traj_batch")
                     con.execute("INSERT INTO segments BY NAME SELECT * FROM _temper_seg_batch")
+                    if crow:
+                        con.executemany("INSERT INTO consumption VALUES (?, ?, ?, ?, ?, ?, ?)", crow)
                     con.commit()
                 except duckdb.ConstraintException as e:
                     _rollback(con)

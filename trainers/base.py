@@ -37,16 +37,27 @@ from .sft import pad_segments
 from .stats import summarize
 
 CARD_JSON = "card.json"
+SYNTH = "synth:"  # curriculum patterns drawn from trainers/synthetic.py instead of environments
 CARD_MD = "CARD.md"
 
 
 def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> tuple[dict[str, list[Segment]], dict]:
     """Oracle segments per pattern and a manifest (spec sha256 and token sha256 per pattern)."""
     from .sft import oracle_trajectories
+    from .synthetic import synthetic_segments
 
     pools: dict[str, list[Segment]] = {}
     manifest: dict[str, dict] = {}
     for j, p in enumerate(bc.patterns):
+        if p.startswith(SYNTH):
+            segs = synthetic_segments(p.removeprefix(SYNTH), bc.n_synthetic, bc.data_seed + 1000 * j, tok)
+            pools[p] = segs
+            h = hashlib.sha256()
+            for s in segs:
+                h.update(json.dumps([s.tokens, s.loss_mask]).encode())
+            manifest[p] = {"synthetic": True, "segments": len(segs), "tokens_sha256": h.hexdigest(),
+                           "trainable_tokens": sum(s.n_trainable for s in segs)}
+            continue
         specs = generate([p], bc.n_per_pattern, bc.data_seed + 1000 * j)
         trajs = oracle_trajectories(specs, tok, sandbox, agent, concurrency=8)
         segs = [s for t in trajs for s in t.segments if any(s.loss_mask)]
@@ -81,9 +92,10 @@ def decay_progress(bc: BaseConfig, step: int, total: int) -> float:
 
 
 def eval_specs(bc: BaseConfig) -> list[TaskSpec]:
-    """The card's held-out tasks: `n_eval_per_pattern` fresh instances of every curriculum pattern,
-    interleaved (so any prefix covers every pattern)."""
-    return generate(bc.patterns, bc.n_eval_per_pattern * len(bc.patterns), bc.eval_seed)
+    """The card's held-out tasks: `n_eval_per_pattern` fresh instances of every curriculum task pattern
+    (synthetic ones have no environment), interleaved (so any prefix covers every pattern)."""
+    pats = bc.task_patterns
+    return generate(pats, bc.n_eval_per_pattern * len(pats), bc.eval_seed)
 
 
 def card_eval(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> dict:
@@ -143,7 +155,7 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "data.pt"
-    key = json.dumps([bc.patterns, bc.n_per_pattern, bc.data_seed, cfg.agent.model_dump(mode="json")])
+    key = json.dumps([bc.patterns, bc.n_per_pattern, bc.n_synthetic, bc.data_seed, cfg.agent.model_dump(mode="json")])
     if cache.exists() and (blob := torch.load(cache, weights_only=False))["key"] == key:
         pools, manifest = blob["pools"], blob["manifest"]  # the same oracle replays: regenerate only on change
     else:

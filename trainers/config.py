@@ -108,6 +108,7 @@ class BaseConfig(BaseModel):
     curriculum: list[CurriculumStage] = Field(default_factory=lambda: [
         CurriculumStage(from_step=0, patterns=["kv-lookup?horizon=1", "calc-chain?horizon=1", "set-const?horizon=1"])])
     n_per_pattern: int = Field(default=200, gt=0)  # oracle trajectories per pattern
+    n_synthetic: int = Field(default=4000, gt=0)  # sequences per `synth:` pattern (trainers/synthetic.py)
     data_seed: int = 7
     n_eval_per_pattern: int = Field(default=40, gt=0)  # the card's held-out pass@1 per pattern
     eval_seed: int = 30_011
@@ -124,6 +125,11 @@ class BaseConfig(BaseModel):
         for st in self.curriculum:
             seen.update(dict.fromkeys(st.patterns))
         return list(seen)
+
+    @property
+    def task_patterns(self) -> list[str]:
+        """The curriculum's environment patterns (what the card evaluates), without the `synth:` ones."""
+        return [p for p in self.patterns if not p.startswith("synth:")]
 
     def stage_at(self, step: int) -> CurriculumStage:
         stages = sorted(self.curriculum, key=lambda s: s.from_step)

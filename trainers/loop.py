@@ -1,11 +1,18 @@
-"""The RL loop in slime's shape, in one process on a CPU.
+"""The RL loop in slime's shape: a trainer, rollout engines, and a weight sync between them.
 
-Async mode: a rollout thread keeps `in_flight` episodes running against the embedded engine (agent
+The trainer reaches the engines only through a `rollout.backend` RolloutBackend: its Policy (generate) and
+its WeightSync (push). The default is one in-process engine (the CPU default); a `ServerBackend` drives
+engine servers by URL — temper's or SGLang's, behind a router — with nothing here changing.
+
+Async mode: a rollout thread keeps `in_flight` episodes running against the backend's policy (agent
 loop + sandboxed environments); every finished trajectory goes into a queue at once. The trainer takes
 `batch_size` trajectories as they arrive (one rollout per prompt), runs one SAO step, and every
-`push_every` steps pushes its weights to the engine (versioned and checksummed). The engine swaps them
+`push_every` steps pushes its weights (versioned and checksummed on every engine). Engines swap them
 between decoding steps; in-flight requests keep going and their later tokens carry the new version —
 which is what the staleness bound τ measures.
+
+What the trainer did with every trajectory (trained on it at step s, or dropped it as stale, crashed or
+empty) is kept in `consumption`, for the trajectory store.
 
 Sync mode: generate a batch with the current weights, wait for all of it, train, push (GRPO's shape:
 `group_size` rollouts per prompt).
@@ -14,46 +21,44 @@ Sync mode: generate a batch with the current weights, wait for all of it, train,
 from __future__ import annotations
 
 import asyncio
-import copy
-import hashlib
 import queue
 import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from envs import TaskSpec
 from envs.sandbox import Sandbox
-from model import Transformer
+from model import (
+    Transformer,
+    weights_checksum,  # noqa: F401 - re-exported (older callers import it from here)
+)
 from model.tokenizer import Tokenizer
-from rollout.agent import Agent, AgentConfig, EnginePolicy, run_episodes
-from rollout.engine import Engine
+from rollout.agent import Agent, AgentConfig, run_episodes
+from rollout.backend import InProcessBackend
 from rollout.types import Trajectory
 
 from .config import LoopConfig
 from .sao import SAOConfig, SAOTrainer
 
 
-def weights_checksum(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return "sha256:" + h.hexdigest()[:32]
-
-
 class RLLoop:
     def __init__(self, actor: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
                  agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
-                 on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0):
+                 on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0,
+                 backend=None, consumer: str = "sao"):
+        """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine)."""
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
         self.agent_cfg, self.cfg = agent_cfg, cfg or LoopConfig()
         self.trainer = SAOTrainer(actor, sao_cfg)
         self.version, self.iteration = version, iteration
-        self.engine = Engine(copy.deepcopy(actor).eval(), tok, n_slots=self.cfg.n_slots,
-                             max_len=agent_cfg.max_context + 8, policy_version=version)
+        self._own_backend = backend is None
+        self.backend = backend or InProcessBackend(actor, tok, n_slots=self.cfg.n_slots,
+                                                   max_len=agent_cfg.max_context + 8, version=version)
         self.on_trajectory = on_trajectory
+        self.consumer = consumer
+        self.stage = "grpo" if sao_cfg.loss == "grpo" else "sao"
+        self.consumption: list[dict] = []  # one row per trajectory the trainer was handed (see store.trajectories)
+        self.loop_steps = 0  # trainer steps taken (an update or not): the `step` of a consumption row
         self.pushes: list[dict] = []
         self.finished = 0
         # bounded: when the trainer falls behind, rollouts wait instead of piling up trajectories that the
@@ -69,16 +74,18 @@ class RLLoop:
         return s
 
     def push_weights(self) -> dict:
+        """WeightSync: every engine serves the actor as the next version (checked there), or this raises."""
         self.version += 1
-        t0 = time.perf_counter()
-        sd = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
-        res = self.engine.update_weights(state_dict=sd, version=self.version)
-        rec = {"version": self.version, "checksum": weights_checksum(self.actor), "seconds": time.perf_counter() - t0,
-               "in_flight": res["num_paused_requests"]}
-        if weights_checksum(self.engine.model) != rec["checksum"]:
-            raise RuntimeError(f"weight push v{self.version}: engine checksum differs from the trainer's")
+        rec = self.backend.push(self.actor, self.version)
         self.pushes.append(rec)
         return rec
+
+    def _consumed(self, outcomes, step: int | None) -> None:
+        for t, outcome in outcomes:
+            vs = t.policy_versions()
+            self.consumption.append({"trajectory_id": t.trajectory_id, "stage": self.stage, "consumer": self.consumer,
+                                     "step": step, "policy_version": self.version,
+                                     "staleness": self.version - vs[0] if vs else 0, "outcome": outcome})
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_state(self, dir, step: int, extra: dict | None = None, keep: int = 3):
@@ -98,6 +105,7 @@ class RLLoop:
         t = self.trainer
         restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None))
         t.steps = state.step
+        self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
         self.version = state.policy_version - 1
         self.push_weights()  # the engine starts from the restored policy, at the saved version
@@ -110,8 +118,9 @@ class RLLoop:
                 await asyncio.to_thread(self._emit, t)
 
         async def main():
-            agent = Agent(EnginePolicy(self.engine), self.tok, self.sandbox, self.agent_cfg)
-            await asyncio.gather(*(worker(agent) for _ in range(self.cfg.in_flight)))
+            async with self.backend.session() as policy:
+                agent = Agent(policy, self.tok, self.sandbox, self.agent_cfg)
+                await asyncio.gather(*(worker(agent) for _ in range(self.cfg.in_flight)))
 
         asyncio.run(main())
 
@@ -138,6 +147,7 @@ class RLLoop:
             if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and self.trainer.steps == 0:
                 first = self._collect()  # value pre-training on the first batch, before any actor update
                 self.trainer.value_pretrain(first)
+                self._consumed([(t, "value_pretrain") for t in first], None)
             for step in range(steps):
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                     from .lm import TimeCapExceeded
@@ -145,6 +155,8 @@ class RLLoop:
                     raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
                 batch = self._collect()
                 st = self.trainer.step(batch, self.version)
+                self.loop_steps += 1
+                self._consumed(self.trainer.outcomes, self.loop_steps)
                 self._since_push += int(st.get("updated", False))
                 if (step + 1) % self.cfg.push_every == 0 and self._since_push:
                     st["push"] = self.push_weights()  # a step that changed nothing does not make a new version
@@ -156,10 +168,11 @@ class RLLoop:
                     on_step(st)
         finally:
             self._stop.set()
-            self.engine.abort()
+            self.backend.abort()
             if thread is not None:
                 thread.join(timeout=30)
-            self.engine.shutdown()
+            if self._own_backend:
+                self.backend.close()
         return hist
 
     def _collect(self) -> list[Trajectory]:
@@ -168,8 +181,12 @@ class RLLoop:
         g = self.cfg.group_size
         specs = [self._next_spec() for _ in range(max(1, self.cfg.batch_size // g))]
         specs = [s for s in specs for _ in range(g)]
-        agent = Agent(EnginePolicy(self.engine), self.tok, self.sandbox, self.agent_cfg)
-        trajs = asyncio.run(run_episodes(agent, specs, self.iteration, concurrency=self.cfg.in_flight))
+        async def go():
+            async with self.backend.session() as policy:
+                agent = Agent(policy, self.tok, self.sandbox, self.agent_cfg)
+                return await run_episodes(agent, specs, self.iteration, concurrency=self.cfg.in_flight)
+
+        trajs = asyncio.run(go())
         for t in trajs:
             self.finished += 1
             if self.on_trajectory is not None:

@@ -17,7 +17,7 @@ from rollout.types import Trajectory
 
 from .config import OPDConfig
 from .rl_losses import LossConfig, opd_advantage, policy_loss
-from .sao import layout, token_logprobs
+from .sao import Mismatch, layout, token_logprobs
 
 
 class OPDTrainer:
@@ -38,7 +38,9 @@ class OPDTrainer:
 
         return self.teachers.score_batches(batches, score)
 
-    def step(self, trajs: list[Trajectory]) -> dict:
+    def step(self, trajs: list[Trajectory], current_version: int | None = None) -> dict:
+        """One update on the student's own trajectories (crashed and empty ones dropped). With the version the
+        engines served (`current_version`), the training/inference log-prob mismatch is measured too."""
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
         if not trajs:
             return {"trajectories": 0}
@@ -49,9 +51,12 @@ class OPDTrainer:
         self.opt.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         rkl = 0.0
+        mm = Mismatch()
         for t, tlp in zip(trajs, t_lp):
             rows = layout([t])
             lp, _ = token_logprobs(self.student, rows.ids)
+            if current_version is not None:
+                mm.add(lp, rows.logp_rollout, rows.mask, rows.versions, current_version)
             adv = opd_advantage(tlp, lp, outcome=t.reward - mean_r, alpha=self.cfg.outcome_alpha)
             loss, st = policy_loss(lp, rows.logp_rollout, adv, rows.mask, self.lcfg)
             share = float(rows.mask.sum()) / n
@@ -62,5 +67,5 @@ class OPDTrainer:
         gn = torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.steps += 1
-        return {**agg, "tokens": float(n), "reverse_kl": rkl / n, "grad_norm": float(gn), "trajectories": len(trajs),
-                "reward_mean": mean_r, "step": self.steps}
+        return {**agg, **mm.stats(), "tokens": float(n), "reverse_kl": rkl / n, "grad_norm": float(gn),
+                "trajectories": len(trajs), "reward_mean": mean_r, "step": self.steps}

@@ -19,8 +19,8 @@ from envs import TaskSpec
 from envs.sandbox import Sandbox
 from model import Transformer
 from model.tokenizer import Tokenizer
-from rollout.agent import Agent, AgentConfig, EnginePolicy, ScriptedPolicy, run_episodes
-from rollout.engine import Engine
+from rollout.agent import Agent, AgentConfig, ScriptedPolicy, run_episodes
+from rollout.backend import InProcessBackend
 from rollout.types import Trajectory
 
 
@@ -66,15 +66,25 @@ def sft_batches(trajs: list[Trajectory], batch_size: int, pad_id: int, seed: int
         yield pad_segments([segs[rng.randrange(len(segs))] for _ in range(batch_size)], pad_id)
 
 
-def evaluate(model: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
-             n_slots: int = 8, concurrency: int = 8) -> dict:
-    """Greedy pass@1 per family and per domain (plus the trajectories, for inspection)."""
-    engine = Engine(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8)
+def evaluate(model: Transformer | None, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
+             n_slots: int = 8, concurrency: int = 8, backend=None) -> dict:
+    """Greedy pass@1 per family and per domain (plus the trajectories, for inspection). The episodes run on
+    `backend` (a RolloutBackend already serving the policy: servers by URL), else on an in-process engine
+    over `model`."""
+    own = backend is None
+    if own:
+        backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8)
+
+    async def go():
+        async with backend.session() as policy:
+            agent = Agent(policy, tok, sandbox, cfg.model_copy(update={"temperature": 0.0}))
+            return await run_episodes(agent, specs, concurrency=concurrency)
+
     try:
-        agent = Agent(EnginePolicy(engine), tok, sandbox, cfg.model_copy(update={"temperature": 0.0}))
-        trajs = asyncio.run(run_episodes(agent, specs, concurrency=concurrency))
+        trajs = asyncio.run(go())
     finally:
-        engine.shutdown()
+        if own:
+            backend.close()
     fam, dom, pat = defaultdict(list), defaultdict(list), defaultdict(list)
     for s, t in zip(specs, trajs):
         fam[s.family].append(t.reward)

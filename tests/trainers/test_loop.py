@@ -62,11 +62,21 @@ def test_loop_trains_and_pushes_versioned_weights(mode):
     assert not _same(init, _snapshot(actor))
     # one new policy version per updating step, and the engine holds exactly the trainer's weights
     assert loop.version == 2 and [p["version"] for p in loop.pushes] == [1, 2] and [h["version"] for h in hist] == [1, 2]
-    assert _same(_snapshot(loop.engine.model), _snapshot(actor))
-    assert loop.engine.version == 2
+    assert _same(_snapshot(loop.backend.engine.model), _snapshot(actor))
+    assert loop.backend.engine.version == 2
     assert len(seen) >= 8
     versions = {v for t in seen for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
     assert versions <= {0, 1, 2} and 0 in versions
+    # what the trainer did with each trajectory: one row per trajectory handed to it, with the step that took it
+    rows = loop.consumption
+    assert [r["step"] for r in rows if r["outcome"] == "trained"] == [1] * 4 + [2] * 4
+    assert all(r["stage"] == ("sao" if mode == "async" else "grpo") for r in rows)
+    by_id = {t.trajectory_id: t for t in seen}
+    for r in rows:
+        if r["outcome"] == "trained":
+            assert r["staleness"] == r["policy_version"] - by_id[r["trajectory_id"]].policy_versions()[0] >= 0
+    # train/inference mismatch on tokens of the version being trained: the same weights on both sides
+    assert hist[0]["mismatch_fresh_tokens"] > 0 and hist[0]["mismatch_fresh_max"] < 1e-4
     if mode == "sync":  # every batch was generated entirely by the weights of its step
         assert all(t.policy_versions()[0] == t.policy_versions()[1] for t in seen)
         assert {t.policy_versions()[0] for t in seen[:4]} == {0} and {t.policy_versions()[0] for t in seen[4:8]} == {1}
@@ -79,7 +89,7 @@ def test_loop_step_without_signal_is_no_new_version():
     hist = loop.run(2)
     assert [h["updated"] for h in hist] == [False, False]
     assert loop.version == 0 and loop.pushes == [] and [h["version"] for h in hist] == [0, 0]
-    assert _same(init, _snapshot(actor)) and _same(init, _snapshot(loop.engine.model))
+    assert _same(init, _snapshot(actor)) and _same(init, _snapshot(loop.backend.engine.model))
 
 
 def test_loop_all_stale_batch_is_no_new_version():

@@ -1,0 +1,91 @@
+"""The Policy / WeightSync backends: in-process and servers by URL (two embedded servers behind the Router)."""
+
+import asyncio
+import copy
+
+import httpx
+import pytest
+import torch
+
+import configs
+from model import ByteTokenizer, Transformer, weights_checksum
+from rollout.backend import InProcessBackend, ServerBackend, WeightSyncError, embedded_servers
+
+TOK = ByteTokenizer()
+PROMPT = TOK.encode("read notes.txt and submit")
+
+
+def _generate(backend, ids, n=6):
+    async def go():
+        async with backend.session() as policy:
+            return await policy.generate(ids, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+                                         return_logprob=True)
+
+    return asyncio.run(go())
+
+
+def _perturbed(model, seed):
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+def test_server_push_reaches_every_worker_with_version_and_checksum(micro_model, tmp_path):
+    new = _perturbed(micro_model, 1)
+    with embedded_servers(micro_model.config, n=2, n_slots=4, max_len=256) as urls:
+        b = ServerBackend(urls, tmp_path / "sync")
+        rec = b.push(new, 7)
+        assert rec["workers"] == 2 and rec["down"] == 0 and rec["checksum_checked"]
+        for u in urls:
+            info = httpx.get(u + "/get_model_info").json()
+            assert info["weight_version"] == "7" and info["weights_checksum"] == weights_checksum(new)
+        # generation through the router carries the pushed version on every token, and its log-probs are the
+        # in-process engine's on the same weights (same engine code: bit for bit)
+        out = _generate(b, PROMPT)
+        assert out["meta_info"]["output_token_versions"] == [7] * 6
+        local = InProcessBackend(new, TOK, n_slots=2, max_len=256, version=7)
+        try:
+            ref = _generate(local, PROMPT)
+        finally:
+            local.close()
+        assert out["output_ids"] == ref["output_ids"]
+        assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == \
+            [x[0] for x in ref["meta_info"]["output_token_logprobs"]]
+        # three pushes: only the newest `keep` (2) checkpoints stay on disk
+        b.push(_perturbed(micro_model, 2), 8)
+        b.push(_perturbed(micro_model, 3), 9)
+        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v000008", "v000009"]
+
+
+def test_server_push_of_wrong_shapes_is_refused_and_names_the_worker(micro_model, tmp_path):
+    other = Transformer(configs.load("micro", ["model.hidden_size=48"]).model)
+    with embedded_servers(micro_model.config, n=2, n_slots=2, max_len=128) as urls:
+        b = ServerBackend(urls, tmp_path / "sync")
+        with pytest.raises(WeightSyncError, match=r"127\.0\.0\.1.*weights do not match the model"):
+            b.push(other, 3)
+        # nothing half-done is reported as current: the servers still serve what they had
+        assert b.current is None
+        for u in urls:
+            assert httpx.get(u + "/get_model_info").json()["weight_version"] == "0"
+
+
+def test_in_process_push_detects_a_diverged_engine(micro_model):
+    b = InProcessBackend(micro_model, TOK, n_slots=2, max_len=128)
+    try:
+        rec = b.push(micro_model, 1)
+        assert rec["checksum"] == weights_checksum(b.engine.model) and b.engine.version == 1
+        # an engine whose weights differ from what was sent (here: a hook that corrupts the copy) is caught
+        orig = b.engine.update_weights
+
+        def corrupting(**kw):
+            kw["state_dict"] = {k: v + 1 if v.is_floating_point() else v for k, v in kw["state_dict"].items()}
+            return orig(**kw)
+
+        b.engine.update_weights = corrupting
+        with pytest.raises(WeightSyncError, match="checksum"):
+            b.push(micro_model, 2)
+    finally:
+        b.close()

@@ -1,0 +1,193 @@
+"""The RL loop disaggregated: the trainer here, rollouts on two `temper serve` processes behind the Router, weights
+synced through `/update_weights_from_disk`. The same code as the in-process loop, given a ServerBackend.
+
+Rewards are set by the `on_trajectory` hook (a random micro policy never earns one), as in test_loop.py.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import configs
+from envs import make_sandbox
+from envs.generator import generate
+from model import ByteTokenizer, Transformer, save_checkpoint, weights_checksum
+from pipelines.stages import Recorder
+from rollout.agent import AgentConfig
+from rollout.backend import ServerBackend
+from store import TrajectoryStore
+from trainers.loop import LoopConfig, RLLoop
+from trainers.sao import SAOConfig
+
+TOK = ByteTokenizer()
+AGENT = AgentConfig(system_prompt="Use tools.", max_context=384, max_action_tokens=8, max_total_tokens=16,
+                    max_obs_tokens=32, compact_margin=0, seed=0)
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(ckpt: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--checkpoint", str(ckpt), "--port",
+                             str(port), "--slots", "4", "--max-len", "512"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_up(url: str, proc: subprocess.Popen, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit  # a safety cap: start-up is a few seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server {url} did not come up")
+
+
+@pytest.fixture()
+def servers(tmp_path):
+    """Two `temper serve` processes on the micro policy (policy version 0); killed at the end."""
+    torch.manual_seed(0)
+    actor = Transformer(configs.load("micro").model)
+    ckpt = tmp_path / "init"
+    save_checkpoint(actor, ckpt, policy_version=0)
+    ports = [_free_port(), _free_port()]
+    procs = {p: _start(ckpt, p) for p in ports}
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for u, p in zip(urls, ports):
+            _wait_up(u, procs[p])
+        yield actor, ckpt, urls, procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _loop(actor, backend, mode="async", **kw):
+    specs = generate(["kv-lookup", "calc-chain"], 6, seed=3)
+    seen = []
+
+    def on_trajectory(t):
+        t.reward = float(len(seen) % 2)
+        seen.append(t)
+        if extra := kw.get("on_trajectory"):
+            extra(t)
+
+    cfg = SAOConfig(critic_updates=1, staleness=4, value_pretrain_steps=0, lr=1e-3,
+                    loss="sao" if mode == "async" else "grpo")
+    loop = RLLoop(actor, specs, TOK, make_sandbox(), AGENT, cfg,
+                  LoopConfig(mode=mode, batch_size=4, in_flight=4, n_slots=4, group_size=2 if mode == "sync" else 1,
+                             push_every=1), on_trajectory=on_trajectory, backend=backend)
+    return loop, seen
+
+
+def test_sao_against_two_server_processes(servers, tmp_path):
+    actor, _, urls, _ = servers
+    backend = ServerBackend(urls, tmp_path / "sync")
+    backend.push(actor, 0)
+    loop, seen = _loop(actor, backend)
+    hist = loop.run(3)
+    assert [h["updated"] for h in hist] == [True] * 3 and loop.version == 3
+    # every worker holds the trainer's weights at its version: checked by the push, and here independently
+    for u in urls:
+        info = httpx.get(u + "/get_model_info").json()
+        assert info["weight_version"] == "3" and info["weights_checksum"] == weights_checksum(actor)
+    assert all(p["workers"] == 2 and p["checksum_checked"] for p in loop.pushes)
+    # the router spread episodes over both processes
+    assert {t.engine for t in seen} == set(urls)
+    # per-token versions: every generated token carries a version the trainer pushed, never a future one
+    gen = [v for t in seen for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m]
+    assert set(gen) <= {0, 1, 2, 3} and 0 in gen
+    rows = loop.consumption
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 4
+    # train/inference mismatch across processes on the version being trained: the same engine code and weights
+    assert hist[0]["mismatch_fresh_tokens"] > 0 and hist[0]["mismatch_fresh_max"] < 1e-4
+
+
+def test_same_seeded_sync_step_in_process_and_on_servers(servers, tmp_path):
+    """Sync GRPO with seeded sampling: one step on an in-process engine and one on two server processes consume
+    the same episodes (tokens, versions, rewards) and so leave the actor with the same weights."""
+    actor, _, urls, _ = servers
+    a = Transformer(actor.config)
+    a.load_state_dict(actor.state_dict())
+    b = Transformer(actor.config)
+    b.load_state_dict(actor.state_dict())
+    la, seen_a = _loop(a, None, mode="sync")
+    backend = ServerBackend(urls, tmp_path / "sync")
+    backend.push(b, 0)
+    lb, seen_b = _loop(b, backend, mode="sync")
+    la.run(1)
+    lb.run(1)
+
+    def key(ts):
+        return sorted((t.env_id, [s.tokens for s in t.segments], [s.versions for s in t.segments], t.reward) for t in ts)
+
+    assert len(seen_a) == len(seen_b) == 4 and key(seen_a) == key(seen_b)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), actor.state_dict().values()))  # it moved
+    assert la.version == lb.version == 1
+
+
+def test_kill_one_server_loses_and_duplicates_nothing(servers, tmp_path):
+    """One of two servers is SIGKILLed after the first step: its episodes are retried on the other, every
+    trajectory lands in the store exactly once, and pushes go on to the live worker. Restarted, it rejoins
+    the router only after loading the current version (the trainer is blocked meanwhile, so no push did it)."""
+    actor, ckpt, urls, procs = servers
+    backend = ServerBackend(urls, tmp_path / "sync", health_interval=0.5)
+    backend.push(actor, 0)
+    rec = Recorder(tmp_path / "store.duckdb")
+    loop, seen = _loop(actor, backend, on_trajectory=rec.add)
+    port0 = int(urls[0].rsplit(":", 1)[1])
+    events = {}
+
+    def on_step(st):
+        step = len(events.setdefault("steps", [])) + 1
+        events["steps"].append(st)
+        rec.flush(loop.consumption)
+        if step == 1:
+            os.killpg(procs[port0].pid, signal.SIGKILL)
+            procs[port0].wait()
+        if step == 2:
+            procs[port0] = _start(ckpt, port0)  # serves policy v0 from its command line at first
+            _wait_up(urls[0], procs[port0])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if httpx.get(urls[0] + "/get_model_info").json()["weight_version"] == str(loop.version):
+                    events["rejoined_at"] = loop.version
+                    break
+                time.sleep(0.2)
+
+    loop.run(4, on_step)
+    rec.flush(loop.consumption)
+    assert events.get("rejoined_at") == 2  # loaded v2 through the router's rejoin, before any later push
+    assert loop.pushes[1]["down"] == 1 and loop.pushes[1]["workers"] == 1  # the push right after the kill
+    assert loop.pushes[-1]["down"] == 0 and loop.pushes[-1]["workers"] == 2  # after the rejoin
+    ids = [t.trajectory_id for t in seen]
+    assert len(ids) == len(set(ids))
+    with TrajectoryStore(tmp_path / "store.duckdb", read_only=True) as st:
+        stored = [r[0] for r in st.cursor().execute("SELECT trajectory_id FROM trajectories").fetchall()]
+        consumed = st.consumption("sao")
+    assert sorted(stored) == sorted(ids)  # nothing lost, nothing twice
+    assert [r["step"] for r in consumed] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert {r["trajectory_id"] for r in consumed} <= set(stored)
+    assert all(t.status != "crashed" for t in seen)
