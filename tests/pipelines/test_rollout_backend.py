@@ -2,6 +2,7 @@
 SGLang URLs would (weights loaded through /update_weights_from_disk, trajectories into DuckDB)."""
 
 import dagster as dg
+import httpx
 import pytest
 import torch
 
@@ -36,3 +37,45 @@ def test_sglang_backend_needs_urls():
         pass
     with RolloutBackend(kind="sglang", urls=["http://10.0.0.1:30000"], router_url="http://10.0.0.1:30001").serving(cfg) as (u, r):
         assert u == ["http://10.0.0.1:30000"] and r == "http://10.0.0.1:30001"
+
+
+def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tmp_path):
+    """Each generating stage given URLs drives the servers (weights pushed by /update_weights_from_disk), and
+    every trajectory it generated is in the store with what the stage did with it."""
+    cfg = configs.load("micro", ["envs.n_train=6", "envs.n_eval=4", "envs.probes=false", "loop.steps=2",
+                                 "loop.save_every=1", "opd.steps=2", "sao.value_pretrain_steps=0"])
+    specs = stages.env_specs(cfg, tmp_path / "envs")
+    envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
+    torch.manual_seed(1)
+    save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
+    store = tmp_path / "t.duckdb"
+    dom = envs["domains"][0]
+    with embedded_servers(cfg.model, n=2, n_slots=4, max_len=cfg.agent.max_context + 8) as urls:
+        sao = stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "expert", urls=urls,
+                                store_path=store, iteration=3)
+        opd = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sao["checkpoint"]}, envs, tmp_path / "student",
+                                 urls=urls, store_path=store, iteration=3)
+        ev = stages.evaluation(cfg, opd["checkpoint"], str(tmp_path / "policy"), envs, {dom: sao["checkpoint"]},
+                               urls=urls, store_path=store, out=tmp_path / "eval", iteration=3)
+        served = {u: httpx.get(u + "/get_model_info").json() for u in urls}
+    assert sao["backend"] == opd["backend"] == "servers" and sao["steps"] == 2 and opd["steps"] == 2
+    # a random micro policy earns no reward: SAO's advantages are all zero, so it makes no update and no version
+    # (test_disaggregated.py sets rewards and checks the pushes); OPD's reverse KL moves the student every step
+    assert sao["pushes"] == sao["updates"] and "mismatch_fresh_mean" in sao and "mismatch_fresh_mean" in opd
+    with TrajectoryStore(store, read_only=True) as st:
+        ids = {r[0]: r[1] for r in st.cursor().execute("SELECT trajectory_id, iteration FROM trajectories").fetchall()}
+        rows = {s: st.consumption(s) for s in ("sao", "opd", "eval")}
+    assert set(ids.values()) == {3}
+    assert sao["stored_trajectories"] + opd["stored_trajectories"] + ev["stored_trajectories"] == len(ids)
+    # SAO: the batches of steps 1 and 2, four each, all consumed by sao:<domain>
+    assert [r["step"] for r in rows["sao"]] == [1] * 4 + [2] * 4 and {r["consumer"] for r in rows["sao"]} == {f"sao:{dom}"}
+    assert [r["step"] for r in rows["opd"]] == [1] * 4 + [2] * 4
+    # evaluation: the student and the warm start on every held-out task, the expert on its domain's tasks
+    n_eval = ev["n_eval"]
+    by = {}
+    for r in rows["eval"]:
+        by[r["consumer"]] = by.get(r["consumer"], 0) + 1
+    assert by["eval:student"] == by["eval:warm_start"] == n_eval and f"eval:teacher:{dom}" in by
+    assert all(r["trajectory_id"] in ids for rs in rows.values() for r in rs)
+    # the last policy the servers were given is the expert (evaluation loads each policy in turn)
+    assert len({v["weights_checksum"] for v in served.values()}) == 1
