@@ -150,7 +150,7 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
     it = context.partition_key
     d = temper.dir(it)
     cfg = temper.config()
-    with rollout.serving(cfg) as (urls, router_url):
+    with rollout.serving(cfg, _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
         out = _stage(context, pipes, temper, sandbox, trainer, "rollout_batches", d / "rollout_batches.json",
                      checkpoint=_load(d, "warm_start")["checkpoint"], envs=_load(d, "verified_envs"),
                      store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
@@ -192,7 +192,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
         if res.exists():  # finished before a retry: keep it
             out[dom] = json.loads(res.read_text())
             continue
-        with rollout.stage_serving(temper.config()) as (urls, router_url):
+        with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
             out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
                               domain=dom, out=str(d / "experts" / dom), domain_reward=dom_reward.get(dom),
                               urls=urls, router_url=router_url, store_path=str(temper.store_path()),
@@ -219,7 +219,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     it = context.partition_key
     d = temper.dir(it)
     experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
-    with rollout.stage_serving(temper.config()) as (urls, router_url):
+    with rollout.stage_serving(temper.config(), _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
         out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
                      init=_load(d, "warm_start")["checkpoint"], experts=experts, envs=_load(d, "verified_envs"),
                      out=str(d / "student"), urls=urls, router_url=router_url, store_path=str(temper.store_path()),
@@ -237,7 +237,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     it = context.partition_key
     d = temper.dir(it)
     experts = _load(d, "sao_experts")
-    with rollout.stage_serving(temper.config()) as (urls, router_url):
+    with rollout.stage_serving(temper.config(), _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
         out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
                      student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
                      envs=_load(d, "verified_envs"),

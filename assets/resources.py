@@ -63,6 +63,17 @@ class RolloutBackend(dg.ConfigurableResource):
     embedded_servers: int = 1
     urls: list[str] = []
     router_url: str = ""
+    # kind sglang, launch: start `sglang_servers` SGLang servers on ports base_port, base_port+1, … from the step's
+    # checkpoint (rollout/sglang.py builds the flags: deterministic DSA top-k with temper's tie rule, MTP as
+    # EAGLE), plus sglang-router on `router_port` when `sglang_router`; all stopped after the step
+    launch: bool = False
+    sglang_servers: int = 1
+    sglang_python: str = "python"
+    tp_size: int = 1
+    base_port: int = 30000
+    sglang_router: bool = False
+    router_port: int = 29000
+    extra_args: list[str] = []
     # every generating stage (SAO, OPD, evaluation too) drives these servers; off: only rollout_batches does and
     # the training stages use an in-process engine (the CPU default). SGLang servers are always used by all.
     all_stages: bool = False
@@ -71,16 +82,33 @@ class RolloutBackend(dg.ConfigurableResource):
         return self.all_stages or self.kind == "sglang"
 
     @contextlib.contextmanager
-    def stage_serving(self, cfg) -> Iterator[tuple[list[str] | None, str]]:
+    def stage_serving(self, cfg, checkpoint: str | None = None) -> Iterator[tuple[list[str] | None, str]]:
         """The servers a training/evaluation stage should use, or (None, "") for in-process."""
         if not self.for_stages():
             yield None, ""
             return
-        with self.serving(cfg) as got:
+        with self.serving(cfg, checkpoint) as got:
             yield got
 
     @contextlib.contextmanager
-    def serving(self, cfg) -> Iterator[tuple[list[str], str]]:
+    def serving(self, cfg, checkpoint: str | None = None) -> Iterator[tuple[list[str], str]]:
+        if self.kind == "sglang" and self.launch:
+            from rollout.sglang import Fleet, SGLangLaunch, router_command, server_command
+
+            if not checkpoint:
+                raise dg.Failure("rollout backend 'sglang' with `launch` needs the step's checkpoint to start from")
+            spec = SGLangLaunch(python=self.sglang_python, tp_size=self.tp_size, extra_args=self.extra_args,
+                                context_length=cfg.agent.max_context + 8)
+            urls = [f"http://127.0.0.1:{self.base_port + i}" for i in range(self.sglang_servers)]
+            cmds = [server_command(checkpoint, self.base_port + i, spec) for i in range(self.sglang_servers)]
+            with Fleet(cmds, urls):
+                if not self.sglang_router:
+                    yield urls, ""
+                    return
+                router = f"http://127.0.0.1:{self.router_port}"
+                with Fleet([(router_command(urls, self.router_port, spec), {})], [router]):
+                    yield urls, router
+            return
         if self.kind == "sglang":
             if not self.urls:
                 raise dg.Failure("rollout backend 'sglang' needs `urls` (the SGLang servers' base URLs)")
