@@ -32,11 +32,13 @@ def mtp_loss(
     input_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     steps: int | None = None,
+    weights: list[float] | None = None,
 ) -> torch.Tensor:
     """Mean over draft steps s = 0..steps-1 of the CE of predicting token i+2+s at position i.
 
     Step s combines its own previous hidden state (step 0: the main model's pre-norm `hidden`) with the
-    embedding of token i+1+s, exactly as speculative decoding chains the drafts."""
+    embedding of token i+1+s, exactly as speculative decoding chains the drafts. `weights` scale each step's
+    mean (data parallelism uses them to turn per-rank means into the global batch's mean)."""
     steps = steps or model.config.mtp_draft_steps
     t = input_ids.shape[1]
     h = hidden[:, : t - 1]
@@ -47,7 +49,8 @@ def mtp_loss(
             break
         logits, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s)
         tgt = input_ids[:, 2 + s :]
-        losses.append(lm_loss(logits[:, : n - 1], tgt, None if mask is None else mask[:, 2 + s :]))
+        step_loss = lm_loss(logits[:, : n - 1], tgt, None if mask is None else mask[:, 2 + s :])
+        losses.append(step_loss * weights[s] if weights is not None else step_loss)
     if not losses:
         raise ValueError("sequence too short for the MTP loss (need at least 3 tokens)")
     return torch.stack(losses).mean()

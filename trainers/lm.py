@@ -36,7 +36,15 @@ class StepStats:
 
 
 class LMTrainer:
-    def __init__(self, model: Transformer, cfg: TrainConfig, indexer_loss: bool = True):
+    """`backend`: the data-parallel runtime (trainers/backends.py). With W ranks every rank is handed the same
+    global batch; rank r trains on rows r, r + W, … and scales each loss so that the gradient mean over ranks is
+    the gradient one process takes on the whole batch (the LM and MTP terms by token counts; the indexer KL is a
+    mean over rows of equal width, which needs no scaling)."""
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, indexer_loss: bool = True, backend=None):
+        from .backends import TorchBackend
+
+        self.backend = backend or TorchBackend()
         self.model, self.cfg = model, cfg
         self.indexer_loss = indexer_loss and model.config.use_dsa
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
@@ -65,12 +73,26 @@ class LMTrainer:
         lr = self.lr_at(self.step_no, progress)
         for g in self.opt.param_groups:
             g["lr"] = lr
+        w, lm_scale, mtp_w = self.backend.world_size, 1.0, None
+        n_tok = int(mask[:, 1:].sum()) if mask is not None else ids.numel() - ids.shape[0]
+        if w > 1:
+            if ids.shape[0] % w:
+                raise ValueError(f"data parallelism: the batch of {ids.shape[0]} rows does not split over {w} ranks")
+            g_ids, g_mask = ids, mask
+            ids = ids[self.backend.rank :: w]
+            mask = None if mask is None else mask[self.backend.rank :: w]
+            if mask is not None:  # local mean × (local count · W / global count) = this rank's share of the sum
+                lm_scale = float(mask[:, 1:].sum()) * w / max(1.0, float(g_mask[:, 1:].sum()))
+                steps = c.mtp_train_steps or m.config.mtp_draft_steps
+                mtp_w = [float(mask[:, 2 + s :].sum()) * w / max(1.0, float(g_mask[:, 2 + s :].sum()))
+                         for s in range(steps)]
+            del g_ids
         out = m.run(ids, dense=dense, collect_indexer=self.indexer_loss, detach_indexer_input=True)
-        loss = next_token_loss(out.logits, ids, mask)
+        loss = next_token_loss(out.logits, ids, mask) * lm_scale
         total = loss
         mtp = torch.zeros(())
         if c.mtp_loss_weight > 0 and len(m.mtp_layers) and ids.shape[1] >= 3:
-            mtp = mtp_loss(m, out.hidden, ids, mask, steps=c.mtp_train_steps)
+            mtp = mtp_loss(m, out.hidden, ids, mask, steps=c.mtp_train_steps, weights=mtp_w)
             total = total + c.mtp_loss_weight * mtp
         ix = torch.zeros(())
         if self.indexer_loss and out.indexer_stats:
@@ -78,12 +100,12 @@ class LMTrainer:
             total = total + ix
         self.opt.zero_grad(set_to_none=True)
         total.backward()
+        self.backend.all_reduce_grads(m)
         gn = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip)
         self.opt.step()
         if c.router_bias_rate > 0:
             m.update_router_bias(c.router_bias_rate)
         self.step_no += 1
-        n_tok = int(mask[:, 1:].sum()) if mask is not None else ids.numel() - ids.shape[0]
         return StepStats(self.step_no, loss.item(), mtp.item(), ix.item(), lr, float(gn), n_tok,
                          time.perf_counter() - t0)
 

@@ -126,7 +126,16 @@ class Mismatch:
 
 
 class SAOTrainer:
-    def __init__(self, actor: Transformer, cfg: SAOConfig | None = None, critic: Critic | None = None):
+    """`backend`: the data-parallel runtime (trainers/backends.py). Every rank is handed the same trajectories;
+    rank r trains on trajectories r, r + W, r + 2W, … of the kept ones, every loss is normalised by the whole
+    batch's token count (times W, undone by the gradient mean over ranks), so W ranks take exactly the step
+    one process takes on the whole batch."""
+
+    def __init__(self, actor: Transformer, cfg: SAOConfig | None = None, critic: Critic | None = None,
+                 backend=None):
+        from .backends import TorchBackend
+
+        self.backend = backend or TorchBackend()
         self.actor, self.cfg = actor, cfg or SAOConfig()
         self.lcfg = LossConfig(kind=self.cfg.loss, eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
                                clip=self.cfg.clip, tis_cap=self.cfg.tis_cap)
@@ -193,17 +202,23 @@ class SAOTrainer:
         return self.cfg.lr * min(1.0, (step + 1) / w) if w else self.cfg.lr
 
     # ---- updates ----------------------------------------------------------------------------------
-    def _critic_update(self, rows: Rows, ret: torch.Tensor) -> float:
-        n = rows.mask.sum().clamp_min(1)
+    def _share(self, trajs: list) -> list:
+        """This rank's trajectories of a batch every rank holds."""
+        w = self.backend.world_size
+        return trajs if w == 1 else trajs[self.backend.rank :: w]
+
+    def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float) -> float:
+        n = n_global / self.backend.world_size  # the gradient mean over ranks turns this into the batch mean
         self.copt.zero_grad(set_to_none=True)
         total = 0.0
-        for i in range(0, len(rows.owner), self.cfg.micro_rows):
+        for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
             sl = slice(i, i + self.cfg.micro_rows)
             v = self.critic(rows.ids[sl])
             m = rows.mask[sl]
             loss = 0.5 * (((v - ret[sl]) ** 2) * m).sum() / n
             loss.backward()
             total += loss.item()
+        self.backend.all_reduce_grads(self.critic)
         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
         self.copt.step()
         return total
@@ -215,9 +230,12 @@ class SAOTrainer:
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
         if not trajs:
             return []
-        rows = layout(trajs)
-        _, ret = self.advantages(trajs, rows)
-        return [self._critic_update(rows, ret) for _ in range(self.cfg.value_pretrain_steps if steps is None else steps)]
+        n_global = float(layout(trajs).mask.sum().clamp_min(1))
+        mine = self._share(trajs)
+        rows = layout(mine) if mine else None
+        ret = self.advantages(mine, rows)[1] if mine else None
+        return [self._critic_update(rows, ret, n_global)
+                for _ in range(self.cfg.value_pretrain_steps if steps is None else steps)]
 
     def step(self, trajs: list[Trajectory], current_version: int) -> dict:
         kept = self.select(trajs, current_version)
@@ -229,17 +247,21 @@ class SAOTrainer:
         rewards = [t.reward for t in kept]
         stats["degenerate"] = max(rewards) == min(rewards)  # all equal: only the critic's errors drive the update
         self.actor.train()
-        rows = layout(kept)
-        adv, ret = self.advantages(kept, rows)
+        n_global = float(layout(kept).mask.sum().clamp_min(1)) if self.backend.world_size > 1 else None
+        mine = self._share(kept)
+        rows = layout(mine) if mine else None
+        adv, ret = self.advantages(mine, rows) if mine else (None, None)
+        if n_global is None:
+            n_global = float(rows.mask.sum().clamp_min(1))
         if self.critic is not None and self.cfg.critic_updates:
-            vl = [self._critic_update(rows, ret) for _ in range(self.cfg.critic_updates)]
+            vl = [self._critic_update(rows, ret, n_global) for _ in range(self.cfg.critic_updates)]
             stats["value_loss"] = vl[-1]
-        n = rows.mask.sum().clamp_min(1)
+        n = torch.tensor(n_global / self.backend.world_size)
         self.opt.zero_grad(set_to_none=True)
         agg: dict[str, float] = {}
         ent_sum = 0.0
         mm = Mismatch()
-        for i in range(0, len(rows.owner), self.cfg.micro_rows):
+        for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
             sl = slice(i, i + self.cfg.micro_rows)
             lp, ent = token_logprobs(self.actor, rows.ids[sl])
             m = rows.mask[sl]
@@ -250,13 +272,14 @@ class SAOTrainer:
             ent_sum += float((ent.detach() * m).sum())
             for k, v in st.items():
                 agg[k] = agg.get(k, 0.0) + v * float(share)
+        self.backend.all_reduce_grads(self.actor)
         gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
         lr = self.lr_at(self.steps)
         stats.update(agg)
         stats.update(mm.stats())
         if not float(gn) > 0.0:  # every advantage zero (e.g. GRPO on a group of equal rewards): no update at all,
             self.opt.zero_grad(set_to_none=True)  # not even Adam's momentum, and no new policy version
-            stats.update(lr=lr, tokens=float(n), entropy=ent_sum / float(n), grad_norm=0.0,
+            stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=0.0,
                          reward_mean=sum(rewards) / len(kept))
             return stats
         for g in self.opt.param_groups:
@@ -264,6 +287,6 @@ class SAOTrainer:
         self.opt.step()
         self.steps += 1
         stats["updated"] = True
-        stats.update(lr=lr, tokens=float(n), entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
+        stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
                      reward_mean=sum(t.reward for t in kept) / len(kept))
         return stats
