@@ -35,7 +35,7 @@ def test_mtp_loss_uses_the_token_two_ahead(cfg_factory):
 
 
 def test_mtp_loss_falls_when_trained():
-    cfg = configs.load("micro", ["train.max_seconds=120", "train.mtp_loss_weight=1.0"])
+    cfg = configs.load("micro", ["train.max_seconds=1800", "train.mtp_loss_weight=1.0"])
     torch.manual_seed(0)
     m = Transformer(cfg.model)
     ids = ByteTokenizer().encode(generated_corpus(500))

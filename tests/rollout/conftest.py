@@ -19,7 +19,7 @@ def mtp_model():
     from trainers.data import generated_corpus, lm_batches
     from trainers.lm import train_lm
 
-    cfg = configs.load("micro", ["train.mtp_loss_weight=1.0", "train.max_seconds=60", "model.mtp_draft_steps=2"])
+    cfg = configs.load("micro", ["train.mtp_loss_weight=1.0", "train.max_seconds=1800", "model.mtp_draft_steps=2"])
     torch.manual_seed(0)
     m = Transformer(cfg.model)
     tok = ByteTokenizer()
