@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--spec-drafts", type=int, default=0, help="MTP draft tokens per verify (0: off)")
     sv.set_defaults(fn=cmd_serve)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a re-launch under torchrun repeats
     return args.fn(args)
 
 

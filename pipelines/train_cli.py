@@ -76,7 +76,35 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def _torchrun(world_size: int, argv: list[str]) -> int:
+    """Re-run this command under torchrun with `world_size` ranks (gloo on CPU, nccl on GPU); returns its status."""
+    import subprocess
+    import sys
+
+    from trainers.backends import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "pipelines.cli", *argv]
+    return subprocess.run(cmd).returncode
+
+
+def _dist_backend():
+    """The data-parallel runtime of this process: DDP when torchrun started it, else one process."""
+    import os
+
+    import torch
+
+    from trainers.backends import DDPBackend, TorchBackend
+
+    if "RANK" not in os.environ:
+        return TorchBackend()
+    return DDPBackend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                      backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 def _sao_run(args, resume: bool) -> int:
+    import os
+
     import torch
     from rich.console import Console
 
@@ -85,23 +113,27 @@ def _sao_run(args, resume: bool) -> int:
     from trainers.loop import RLLoop
     from trainers.sft import evaluate
 
-    con = Console()
+    world = getattr(args, "world_size", 1)
+    if world > 1 and "RANK" not in os.environ:
+        return _torchrun(world, args.argv)
+    dp = _dist_backend()
+    con = Console(quiet=not dp.is_main)
     cfg, tok, sandbox, train, held = _setup(args, rl=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    model = load_checkpoint(args.init) if args.init else Transformer(cfg.model)
+    model = dp.wrap(load_checkpoint(args.init) if args.init else Transformer(cfg.model))
     start = 0
     state = load_training_state(out / "state") if resume else None
-    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=1)
+    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=1, train_backend=dp)
     if state is not None:
         loop.resume(state)
         start = state.step
         con.print(f"resumed from {state.path} (step {start}, policy v{loop.version})")
-    else:
+    elif dp.is_main:
         (out / "run.json").write_text(json.dumps({"command": "sao", "args": vars(args),
                                                   "config": cfg.model_dump(mode="json")}, indent=1, default=str))
-    before = evaluate(model, held, tok, sandbox, cfg.agent) if start == 0 else None
+    before = evaluate(model, held, tok, sandbox, cfg.agent) if start == 0 and dp.is_main else None
     hist: list[dict] = []
     prog, task = _progress(con, args.steps, "sao")
     with prog:
@@ -111,10 +143,17 @@ def _sao_run(args, resume: bool) -> int:
             step = start + len(hist) + 1
             hist.append(st)
             prog.update(task, completed=step, description=f"reward {st['batch_reward']:.2f} v{st['version']}")
-            if step % args.save_every == 0 or step == args.steps:
+            if (step % args.save_every == 0 or step == args.steps) and dp.is_main:
                 loop.save_state(out / "state", step)
 
         loop.run(max(0, args.steps - start), on_step)
+    if dp.world_size > 1:  # every rank records what it holds (they must agree)
+        from model import weights_checksum
+
+        (out / f"rank{dp.rank}.weights").write_text(weights_checksum(model))
+    if not dp.is_main:  # rank 0 evaluates and writes; the others hold the same weights
+        dp.close()
+        return 0
     after = evaluate(model, held, tok, sandbox, cfg.agent)
     save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
     rep = {"steps": start + len(hist), "pass@1_before": before["pass@1"] if before else None,
@@ -122,7 +161,10 @@ def _sao_run(args, resume: bool) -> int:
            "reward_curve": [h["batch_reward"] for h in hist], "dropped_stale": loop.trainer.dropped["stale"]}
     (out / "report.json").write_text(json.dumps(rep, indent=1))
     con.print(f"SAO → step {rep['steps']}, held-out pass@1 {after['pass@1']:.2f} {after['domain']}; "
-              f"policy v{loop.version} → {out / 'checkpoint'}")
+              f"policy v{loop.version} → {out / 'checkpoint'}"
+              + (f" ({dp.world_size} trainer ranks)" if dp.world_size > 1 else ""))
+    if dp.world_size > 1:
+        dp.close()
     return 0
 
 
@@ -135,7 +177,7 @@ def cmd_resume(args) -> int:
     if run["command"] != "sao":
         print(f"error: resume supports SAO runs; {args.out} holds a {run['command']} run")
         return 2
-    saved = argparse.Namespace(**{**run["args"], "out": args.out})
+    saved = argparse.Namespace(**{**run["args"], "out": args.out, "argv": args.argv})
     return _sao_run(saved, resume=True)
 
 
@@ -209,6 +251,9 @@ def add_parser(sub) -> None:
     common(r)
     r.add_argument("--steps", type=int, default=40)
     r.add_argument("--save-every", type=int, default=5)
+    r.add_argument("--world-size", type=int, default=1,
+                   help="trainer ranks: >1 runs the trainer under torchrun (gloo on CPU, nccl on GPU); rank 0 drives "
+                        "the engines and hands each batch to every rank")
     r.set_defaults(fn=cmd_sao)
     o = tsub.add_parser("opd", help="multi-teacher on-policy distillation")
     common(o, init_required=True)

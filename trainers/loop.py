@@ -45,15 +45,24 @@ class RLLoop:
     def __init__(self, actor: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
                  agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
                  on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0,
-                 backend=None, consumer: str = "sao"):
-        """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine)."""
+                 backend=None, consumer: str = "sao", train_backend=None):
+        """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine).
+        `train_backend`: the trainer's data-parallel runtime (trainers/backends.py). With several ranks, rank 0
+        owns the rollout side (episodes, the batch queue, the weight pushes) and hands every batch to the other
+        ranks; every rank trains on its share and all end each step with the same weights."""
+        from .backends import TorchBackend
+
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
         self.agent_cfg, self.cfg = agent_cfg, cfg or LoopConfig()
-        self.trainer = SAOTrainer(actor, sao_cfg)
+        self.dp = train_backend or TorchBackend()
+        self.trainer = SAOTrainer(actor, sao_cfg, backend=self.dp)
         self.version, self.iteration = version, iteration
-        self._own_backend = backend is None
-        self.backend = backend or InProcessBackend(actor, tok, n_slots=self.cfg.n_slots,
-                                                   max_len=agent_cfg.max_context + 8, version=version)
+        self._own_backend = backend is None and self.dp.is_main
+        if self.dp.is_main:
+            self.backend = backend or InProcessBackend(actor, tok, n_slots=self.cfg.n_slots,
+                                                       max_len=agent_cfg.max_context + 8, version=version)
+        else:
+            self.backend = None  # the trainer ranks other than 0 never talk to engines
         self.on_trajectory = on_trajectory
         self.consumer = consumer
         self.stage = "grpo" if sao_cfg.loss == "grpo" else "sao"
@@ -76,6 +85,8 @@ class RLLoop:
     def push_weights(self) -> dict:
         """WeightSync: every engine serves the actor as the next version (checked there), or this raises."""
         self.version += 1
+        if self.backend is None:  # not rank 0: rank 0 pushes the (identical) weights
+            return {"version": self.version}
         rec = self.backend.push(self.actor, self.version)
         self.pushes.append(rec)
         return rec
@@ -140,7 +151,7 @@ class RLLoop:
         hist: list[dict] = []
         t0 = time.perf_counter()
         thread = None
-        if self.cfg.mode == "async":
+        if self.cfg.mode == "async" and self.backend is not None:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
         try:
@@ -168,7 +179,8 @@ class RLLoop:
                     on_step(st)
         finally:
             self._stop.set()
-            self.backend.abort()
+            if self.backend is not None:
+                self.backend.abort()
             if thread is not None:
                 thread.join(timeout=30)
             if self._own_backend:
@@ -176,6 +188,15 @@ class RLLoop:
         return hist
 
     def _collect(self) -> list[Trajectory]:
+        if self.dp.world_size == 1:
+            return self._generate()
+        import torch.distributed as dist
+
+        box = [self._generate() if self.dp.is_main else None]
+        dist.broadcast_object_list(box, src=0)  # every rank trains on its share of the same batch
+        return box[0]
+
+    def _generate(self) -> list[Trajectory]:
         if self.cfg.mode == "async":
             return [self._q.get() for _ in range(self.cfg.batch_size)]
         g = self.cfg.group_size

@@ -24,3 +24,25 @@ def test_sft_then_sao_then_resume_then_opd(tmp_path):
                  "--out", str(tmp_path / "opd")]) == 0
     rep = json.loads((tmp_path / "opd" / "report.json").read_text())
     assert rep["steps"] == 2 and rep["teacher_pool"]["loads"] >= 2
+
+
+def test_sao_with_two_trainer_ranks_under_torchrun(tmp_path):
+    """`--world-size 2` re-launches under torchrun: rank 0 drives the engine and hands batches to rank 1; both
+    end with the same weights, and rank 0 writes the report and the checkpoint."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import configs
+    from model import Transformer, save_checkpoint
+
+    torch.manual_seed(0)
+    save_checkpoint(Transformer(configs.load("micro").model), tmp_path / "init")
+    out = tmp_path / "sao"
+    subprocess.run([sys.executable, "-m", "pipelines.cli", "train", "sao", "--preset", "micro", "--init",
+                    str(tmp_path / "init"), "--steps", "2", "--save-every", "2", "--world-size", "2", "--out", str(out),
+                    "-o", "sao.value_pretrain_steps=0"], check=True, timeout=900)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps"] == 2 and (out / "checkpoint" / "config.json").exists()
+    assert (out / "rank0.weights").read_text() == (out / "rank1.weights").read_text()
