@@ -1,15 +1,27 @@
-"""Async (SAO) vs synchronous RL loop: trajectories trained per second on long-tailed horizons.
+"""The RL loop's layouts side by side: sync, async on an in-process engine, async on engine servers by URL.
 
-Same model, same environments (calc-chain and kv-lookup with their long-tailed horizons), same batch
-size and engine slots. Sync: generate a batch, wait for its slowest episode, train, push. Async: the
-engine keeps `in_flight` episodes going while the trainer consumes finished ones.
-Run: .venv/bin/python bench/loop_throughput.py [--steps 12]
+Same model, environments (calc-chain and kv-lookup with their long-tailed horizons), batch size and total engine
+slots. Sync: generate a batch, wait for its slowest episode, train, push. Async in-process: one engine in the
+trainer's process keeps `in_flight` episodes going while the trainer consumes finished ones. Async on servers:
+the same, with rollouts on N `temper serve` processes (each pinned to one core where `taskset` exists) behind
+the Router and weights pushed through `/update_weights_from_disk` — the disaggregated layout.
+Reported: trajectories trained per second, generated per second, the trainer's idle share (time waiting for a
+batch over the run), and the push latency.
+Run: .venv/bin/python bench/loop_throughput.py [--steps 12] [--servers 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from common import table, threads
@@ -17,39 +29,84 @@ from common import table, threads
 import configs
 from envs import make_sandbox
 from envs.generator import generate
-from model import ByteTokenizer, Transformer
+from model import ByteTokenizer, Transformer, save_checkpoint
+from rollout.backend import ServerBackend, wait_healthy
 from trainers.loop import LoopConfig, RLLoop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(ckpt: Path, n: int, slots: int) -> tuple[list[str], list[subprocess.Popen]]:
+    urls, procs = [], []
+    cores = os.cpu_count() or 1
+    for i in range(n):
+        port = _port()
+        cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--checkpoint", str(ckpt), "--port", str(port),
+               "--slots", str(slots), "--max-len", "1024"]
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(i % cores), *cmd]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        urls.append(f"http://127.0.0.1:{port}")
+    for u, p in zip(urls, procs):
+        wait_healthy(u, p)
+    return urls, procs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--preset", default="micro")
-    ap.add_argument("--slots", type=int, default=16, help="engine slots, the same for both modes")
+    ap.add_argument("--slots", type=int, default=16, help="engine slots in total, the same for every layout")
+    ap.add_argument("--servers", type=int, default=2)
     args = ap.parse_args()
     cfg = configs.load(args.preset)
     tok, sb = ByteTokenizer(), make_sandbox()
     specs = generate(["calc-chain", "kv-lookup"], 64, seed=5)
+    tmp = Path(tempfile.mkdtemp(prefix="temper-bench-loop-"))
+    torch.manual_seed(0)
+    init = Transformer(cfg.model)
+    save_checkpoint(init, tmp / "init", policy_version=0)
     rows = []
-    for mode in ("sync", "async"):
-        torch.manual_seed(0)
+    for layout in ("sync", "async in-process", f"async {args.servers} servers"):
         actor = Transformer(cfg.model)
+        actor.load_state_dict(init.state_dict())
+        mode = "sync" if layout == "sync" else "async"
         # same batch per optimiser step (8) and same engine capacity: sync can only fill it with one batch
-        # (the next one waits for training); async keeps every slot busy with episodes in flight
         lc = LoopConfig(mode=mode, batch_size=8, in_flight=8 if mode == "sync" else args.slots, n_slots=args.slots)
         sao = cfg.sao.model_copy(update={"loss": "sao", "staleness": 4})
-        loop = RLLoop(actor, specs, tok, sb, cfg.agent.model_copy(update={"temperature": 1.0}), sao, lc)
-        t = time.perf_counter()
-        hist = loop.run(args.steps)
-        dt = time.perf_counter() - t
+        procs, backend = [], None
+        if "servers" in layout:
+            urls, procs = start_servers(tmp / "init", args.servers, args.slots // args.servers)
+            backend = ServerBackend(urls, tmp / "sync")
+            backend.push(actor, 0)
+        try:
+            loop = RLLoop(actor, specs, tok, sb, cfg.agent.model_copy(update={"temperature": 1.0}), sao, lc,
+                          backend=backend)
+            t = time.perf_counter()
+            hist = loop.run(args.steps)
+            dt = time.perf_counter() - t
+        finally:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
         trained = sum(h["trajectories"] for h in hist)
-        reward = sum(h["batch_reward"] for h in hist) / max(1, len(hist))
-        rows.append([mode, len(hist), trained, f"{dt:.1f}", f"{trained / dt:.2f}", f"{loop.finished / dt:.2f}",
-                     f"{reward:.2f}"])
-    rows[0].append(1.0)
-    rows[1].append(float(rows[1][4]) / float(rows[0][4]))
-    table(f"RL loop on long-tailed horizons ({args.preset}, batch 8, {args.slots} slots, {threads()} threads)",
-          ["mode", "steps", "trajectories trained", "seconds", "trained/s", "generated/s", "mean reward", "ratio"], rows)
+        push = sum(p["seconds"] for p in loop.pushes) / max(1, len(loop.pushes))
+        rows.append([layout, len(hist), trained, f"{dt:.1f}", trained / dt, loop.finished / dt,
+                     f"{loop.wait_seconds / dt:.0%}", f"{push * 1000:.0f} ms"])
+    base = rows[0][4]
+    for r in rows:
+        r.append(r[4] / base)
+    shutil.rmtree(tmp, ignore_errors=True)
+    table(f"RL loop layouts on long-tailed horizons ({args.preset}, batch 8, {args.slots} slots, {threads()} threads)",
+          ["layout", "steps", "trajectories trained", "seconds", "trained/s", "generated/s", "trainer idle",
+           "push", "ratio vs sync"], rows)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,25 @@ def embedded_servers(model_config, n: int = 1, n_slots: int = 8, max_len: int = 
             eng.shutdown()
 
 
+def wait_healthy(url: str, proc=None, timeout: float = 300.0) -> None:
+    """Poll `GET url/health` until it answers 200. Raises RuntimeError if `proc` (a Popen) exits first, and
+    TimeoutError past `timeout` seconds (a safety cap on start-up: model loading, never a budget)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode} before answering /health")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: no /health answer within {timeout:g} s")
+        time.sleep(0.2)
+
+
 async def load_weights(urls: list[str], checkpoint: str, version: int | None = None) -> list[dict]:
     """Point every worker at `checkpoint` (HF layout); raises if any refuses."""
     out = []

@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,26 +126,18 @@ class Fleet:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> Fleet:
-        import httpx
+        from .backend import wait_healthy
 
         try:
             for argv, env in self.commands:
                 self.procs.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-            deadline = time.monotonic() + self.start_timeout  # a safety cap (model load time), failing loudly
             for url, p in zip(self.urls, self.procs):
-                while True:
-                    if p.poll() is not None:
-                        err = (p.stderr.read() or b"").decode(errors="replace")[-2000:] if p.stderr else ""
-                        raise RuntimeError(f"{url}: server exited with {p.returncode} before answering: {err}")
-                    try:
-                        if httpx.get(url + "/health", timeout=5).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{url}: no /health answer within {self.start_timeout:g} s")
-                    time.sleep(0.5)
+                try:
+                    wait_healthy(url, p, self.start_timeout)
+                except RuntimeError as e:
+                    err = (p.stderr.read() or b"").decode(errors="replace")[-2000:] if p.stderr else ""
+                    raise RuntimeError(f"{e}: {err}") from None
         except BaseException:
             self.stop()
             raise

@@ -68,6 +68,7 @@ class RLLoop:
         self.stage = "grpo" if sao_cfg.loss == "grpo" else "sao"
         self.consumption: list[dict] = []  # one row per trajectory the trainer was handed (see store.trajectories)
         self.loop_steps = 0  # trainer steps taken (an update or not): the `step` of a consumption row
+        self.wait_seconds = 0.0  # time the trainer spent waiting for a batch
         self.pushes: list[dict] = []
         self.finished = 0
         # bounded: when the trainer falls behind, rollouts wait instead of piling up trajectories that the
@@ -188,6 +189,13 @@ class RLLoop:
         return hist
 
     def _collect(self) -> list[Trajectory]:
+        t0 = time.perf_counter()
+        try:
+            return self._collect_batch()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0  # the trainer idles, waiting for rollouts
+
+    def _collect_batch(self) -> list[Trajectory]:
         if self.dp.world_size == 1:
             return self._generate()
         import torch.distributed as dist

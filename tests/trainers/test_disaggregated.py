@@ -22,7 +22,7 @@ from envs.generator import generate
 from model import ByteTokenizer, Transformer, save_checkpoint, weights_checksum
 from pipelines.stages import Recorder
 from rollout.agent import AgentConfig
-from rollout.backend import ServerBackend
+from rollout.backend import ServerBackend, wait_healthy
 from store import TrajectoryStore
 from trainers.loop import LoopConfig, RLLoop
 from trainers.sao import SAOConfig
@@ -48,18 +48,8 @@ def _start(ckpt: Path, port: int) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def _wait_up(url: str, proc: subprocess.Popen, limit: float = 120.0) -> None:
-    deadline = time.monotonic() + limit  # a safety cap: start-up is a few seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server {url} did not come up")
+def _wait_up(url: str, proc: subprocess.Popen) -> None:
+    wait_healthy(url, proc, timeout=120.0)
 
 
 @pytest.fixture()
