@@ -219,11 +219,13 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     it = context.partition_key
     d = temper.dir(it)
     experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
-    with rollout.stage_serving(temper.config(), _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
+    ws = _load(d, "warm_start")["checkpoint"]
+    with rollout.stage_serving(temper.config(), ws) as (urls, router_url), \
+            rollout.teacher_serving(temper.config(), ws) as teacher_urls:  # the teachers' own servers
         out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
-                     init=_load(d, "warm_start")["checkpoint"], experts=experts, envs=_load(d, "verified_envs"),
+                     init=ws, experts=experts, envs=_load(d, "verified_envs"),
                      out=str(d / "student"), urls=urls, router_url=router_url, store_path=str(temper.store_path()),
-                     iteration=int(it))
+                     iteration=int(it), teacher_urls=teacher_urls if experts else None)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
                   {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}})

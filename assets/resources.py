@@ -74,12 +74,32 @@ class RolloutBackend(dg.ConfigurableResource):
     sglang_router: bool = False
     router_port: int = 29000
     extra_args: list[str] = []
+    # OPD's teachers score on their own servers: embedded ones started for the step, `teacher_urls` (sglang), or
+    # with launch `teacher_servers` SGLang servers after the rollout ones' ports; none: teachers in-process
+    teacher_urls: list[str] = []
+    teacher_servers: int = 1
     # every generating stage (SAO, OPD, evaluation too) drives these servers; off: only rollout_batches does and
     # the training stages use an in-process engine (the CPU default). SGLang servers are always used by all.
     all_stages: bool = False
 
     def for_stages(self) -> bool:
         return self.all_stages or self.kind == "sglang"
+
+    @contextlib.contextmanager
+    def teacher_serving(self, cfg, checkpoint: str | None = None) -> Iterator[list[str] | None]:
+        """Servers for OPD's teachers (never the rollout servers: loading a teacher would replace the student)."""
+        if not self.for_stages():
+            yield None
+        elif self.kind == "sglang" and self.launch:
+            shifted = self.model_copy(update={"base_port": self.base_port + self.sglang_servers,
+                                              "sglang_servers": self.teacher_servers, "sglang_router": False})
+            with shifted.serving(cfg, checkpoint) as (urls, _):
+                yield urls
+        elif self.kind == "sglang":
+            yield list(self.teacher_urls) or None
+        else:
+            with self.serving(cfg, checkpoint) as (urls, _):
+                yield urls
 
     @contextlib.contextmanager
     def stage_serving(self, cfg, checkpoint: str | None = None) -> Iterator[tuple[list[str] | None, str]]:

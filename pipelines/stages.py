@@ -345,10 +345,12 @@ def _mismatch_summary(hist: list[dict]) -> dict:
 
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
-                iteration: int = 0) -> dict:
+                iteration: int = 0, teacher_urls: list[str] | None = None) -> dict:
     """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`.
     The student's episodes run on the rollout backend (servers at `urls`, else in-process), which gets the
-    student after every step; every trajectory and its consuming step go to the store."""
+    student after every step; every trajectory and its consuming step go to the store. With `teacher_urls`
+    the teachers score on those servers (`/generate` input log-probs; the next teacher prefetched into an idle
+    server), else in this process."""
     import torch
 
     from envs.dataset import read_dataset
@@ -367,7 +369,12 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     torch.manual_seed(cfg.seed)
     student = load_checkpoint(init)
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts]
-    pool = TeacherPool(experts, max_resident=1)
+    if teacher_urls:
+        from rollout.backend import ServerTeacherPool
+
+        pool = ServerTeacherPool(experts, teacher_urls)
+    else:
+        pool = TeacherPool(experts, max_resident=1)
     trainer = OPDTrainer(student, pool, cfg.opd)
     start, hist = 0, []
     if complete_checkpoints(out / "state"):

@@ -289,3 +289,111 @@ def make_backend(model, tok, *, urls: list[str] | None = None, router_url: str =
         b.push(model, version)
         return b
     return InProcessBackend(model, tok, n_slots=n_slots, max_len=max_len, version=version, name=name)
+
+
+class ServerTeacherPool:
+    """OPD's teachers on engine servers: scoring is `/generate` with `max_new_tokens: 0`, `return_logprob` and
+    `logprob_start_len: 0` (the teacher's log-prob of every token of the student's sequence).
+
+    Each teacher checkpoint is loaded into a server with `/update_weights_from_disk`; with fewer servers than
+    teachers, a teacher takes the least recently used server that is not scoring. While one teacher scores its
+    batches, the next teacher of the list is loaded into another server (prefetch), so a swap costs only what
+    scoring did not cover. Same `score_batches(batches, fn)` as `trainers.teachers.TeacherPool` (fn unused: the
+    servers compute the scores); batches are `(domain, rows)` with `rows.ids`, `rows.lengths`."""
+
+    def __init__(self, paths: dict, urls: list[str], concurrency: int = 8):
+        if not urls:
+            raise ValueError("ServerTeacherPool needs at least one server URL")
+        if not paths:
+            raise ValueError("ServerTeacherPool needs at least one teacher checkpoint")
+        self.paths = {str(d): str(p) for d, p in paths.items()}
+        self.ids = {d: 10_000 + i for i, d in enumerate(self.paths)}  # the weight_version that names a teacher
+        self.urls, self.concurrency = list(urls), concurrency
+        self.on: dict[str, str | None] = dict.fromkeys(self.urls)  # server → teacher loaded there
+        self.used: dict[str, float] = dict.fromkeys(self.urls, 0.0)
+        self.loads = self.swaps = 0
+        self.load_seconds = self.wait_seconds = 0.0
+
+    def _where(self, domain: str) -> str | None:
+        return next((u for u, d in self.on.items() if d == domain), None)
+
+    async def _load(self, domain: str, busy: set[str]) -> str:
+        url = self._where(domain)
+        if url is not None:
+            return url
+        free = [u for u in self.urls if u not in busy] or self.urls
+        url = min(free, key=lambda u: self.used[u])
+        self.on[url] = None  # mid-load: it serves no teacher until the load is done
+        t0 = time.perf_counter()
+        c = EngineClient(url)
+        try:
+            res = await c.update_weights_from_disk(self.paths[domain], weight_version=self.ids[domain], flush_cache=True)
+        finally:
+            await c.aclose()
+        if not res.get("success", False):
+            raise WeightSyncError(f"{url}: loading teacher {domain!r} failed: {res.get('message')}")
+        self.load_seconds += time.perf_counter() - t0
+        self.loads += 1
+        self.swaps += 1
+        self.on[url] = domain
+        return url
+
+    async def _score_rows(self, url: str, rows):
+        import torch
+
+        c = EngineClient(url)
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(i: int) -> list[float | None]:
+            async with sem:
+                return await c.score(rows.ids[i, : rows.lengths[i]].tolist())
+
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(rows.ids.shape[0])))
+        finally:
+            await c.aclose()
+        out = torch.zeros(rows.ids.shape, dtype=torch.float32)
+        for i, lps in enumerate(got):
+            out[i, 1 : len(lps)] = torch.tensor([float(x) for x in lps[1:]])
+        return out
+
+    async def _score_all(self, batches):
+        groups: dict[str, list[int]] = {}
+        for i, (d, _) in enumerate(batches):
+            if d not in self.paths:
+                raise KeyError(f"no teacher for domain {d!r} (have {', '.join(self.paths)})")
+            groups.setdefault(d, []).append(i)
+        order = sorted(groups, key=lambda d: self._where(d) is None)  # loaded teachers first
+        results: list = [None] * len(batches)
+        nxt: asyncio.Task | None = None
+        for k, d in enumerate(order):
+            t0 = time.perf_counter()
+            url = await nxt if nxt is not None and nxt.get_name() == d else await self._load(d, set())
+            self.wait_seconds += time.perf_counter() - t0
+            nxt = None
+            if k + 1 < len(order) and len(self.urls) > 1:  # prefetch the next teacher into another server
+                nxt = asyncio.create_task(self._load(order[k + 1], {url}), name=order[k + 1])
+            self.used[url] = time.perf_counter()
+            scored = await asyncio.gather(*(self._score_rows(url, batches[i][1]) for i in groups[d]))
+            for i, r in zip(groups[d], scored):
+                results[i] = r
+        if nxt is not None:
+            await nxt
+        return results
+
+    def score_batches(self, batches, fn=None, prefetch: bool = True) -> list:
+        return asyncio.run(self._score_all(batches))
+
+    def stats(self):
+        hidden = max(0.0, self.load_seconds - self.wait_seconds)
+        return _PoolStats({"swaps": self.swaps, "loads": self.loads, "load_seconds": self.load_seconds,
+                           "wait_seconds": self.wait_seconds,
+                           "hidden_fraction": hidden / self.load_seconds if self.load_seconds else 0.0})
+
+    def close(self) -> None:
+        """The servers belong to whoever started them."""
+
+
+class _PoolStats(dict):
+    def as_dict(self) -> dict:
+        return dict(self)

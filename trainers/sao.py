@@ -61,6 +61,7 @@ class Rows:
     owner: list[int]  # trajectory index of each row
     counts: list[list[int]] = field(default_factory=list)  # per trajectory: trainable tokens per segment
     versions: torch.Tensor | None = None  # [R, T] policy version that generated each token (-1 elsewhere)
+    lengths: list[int] = field(default_factory=list)  # true (unpadded) length of each row
 
 
 def token_logprobs(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ def layout(trajs: list[Trajectory], pad_id: int = 0) -> Rows:
         ver[i, :n] = torch.tensor(s.versions)
     mask[:, 0] = False
     counts = [[int(sum(s.loss_mask)) for s in t.segments if s.tokens] for t in trajs]
-    return Rows(ids, mask, lpr, [j for j, _ in segs], counts, ver)
+    return Rows(ids, mask, lpr, [j for j, _ in segs], counts, ver, [len(s.tokens) for _, s in segs])
 
 
 class Mismatch:

@@ -89,3 +89,38 @@ def test_in_process_push_detects_a_diverged_engine(micro_model):
             b.push(micro_model, 2)
     finally:
         b.close()
+
+
+def test_server_teacher_pool_scores_like_the_teachers_themselves(micro_model, tmp_path):
+    """OPD's teacher scoring on servers: `/generate` input log-probs equal each teacher's own log-probs of the
+    student's tokens; with one server per teacher nothing reloads, with one server for two teachers they swap."""
+    from rollout.backend import ServerTeacherPool
+    from rollout.types import Segment, Trajectory
+    from trainers.sao import layout, token_logprobs
+
+    teachers = {"math": _perturbed(micro_model, 4), "code": _perturbed(micro_model, 5)}
+    paths = {}
+    for d, m in teachers.items():
+        from model import save_checkpoint
+
+        save_checkpoint(m, tmp_path / d)
+        paths[d] = tmp_path / d
+    g = torch.Generator().manual_seed(0)
+
+    def traj(n):
+        toks = torch.randint(0, 256, (n,), generator=g).tolist()
+        return Trajectory("t", "e", "f", "math", "h", "v", 0, [Segment(toks, [True] * n, [0.0] * n, [0] * n)])
+
+    batches = [("math", layout([traj(20)])), ("code", layout([traj(13)])), ("math", layout([traj(17)]))]
+    with embedded_servers(micro_model.config, n=2, n_slots=4, max_len=256) as urls:
+        for servers in (urls, urls[:1]):
+            pool = ServerTeacherPool(paths, servers)
+            got = pool.score_batches(batches)
+            for (d, rows), lp in zip(batches, got):
+                ref = token_logprobs(teachers[d].eval(), rows.ids)[0]
+                n = rows.lengths[0]
+                torch.testing.assert_close(lp[:, :n], ref[:, :n], rtol=0, atol=2e-5)
+                assert lp.shape == ref.shape and not lp[:, n:].any()
+            first = pool.loads
+            pool.score_batches(batches)
+            assert first == 2 and pool.loads == (2 if len(servers) == 2 else 3)
