@@ -24,6 +24,7 @@ from common import table
 
 from configs import load
 from pipelines import stages
+from trainers.stats import binom_two_sided, paired_delta_ci
 
 SEED_STRIDE = 104_729
 
@@ -50,10 +51,11 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
     experts = {}
     for dom in envs["domains"]:
         experts[dom] = timed(f"sao_{dom}", stages.sao_expert, cfg, ws["checkpoint"], envs, dom, out / "experts" / dom,
-                             domain_reward=ro["domain_reward"].get(dom))
+                             domain_reward=ro["domain_reward"].get(dom), iteration=iteration)
     live = {d: e["checkpoint"] for d, e in experts.items() if e["steps"] > 0}
-    student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student")
-    ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live)
+    student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
+    ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,
+               iteration=iteration)
     return {"evaluation": ev, "seconds": secs, "rollout_reward": ro["domain_reward"], "student": student["checkpoint"],
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
 
@@ -62,28 +64,47 @@ def ci(x: dict) -> str:
     return f"{x['pass@1']:.3f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
 
 
+def run_seed(seed: int, args) -> list[dict]:
+    """Every iteration of one seed (a child process when --jobs > 1: the numbers do not depend on it)."""
+    import torch
+
+    if args.jobs > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // args.jobs))
+    say = lambda m: print(f"[seed {seed}] {m}", flush=True)  # noqa: E731
+    base = load(args.preset, args.override)
+    cfg = load(args.preset, [*args.override, f"seed={base.seed + seed}",
+                             f"envs.rl_seed={base.envs.rl_seed + SEED_STRIDE * seed}",
+                             f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
+    parent, out = None, []
+    for it in range(1, args.iterations + 1):
+        say(f"iteration {it}")
+        r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
+        out.append(r)
+        parent = r["student"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("-o", "--override", action="append", default=[])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes (results do not change)")
     ap.add_argument("--out", default="runs/bench-learning")
     args = ap.parse_args()
-    say = lambda m: print(m, flush=True)  # noqa: E731
     results: dict[int, list[dict]] = {}
+    if args.jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
+            futs = {seed: ex.submit(run_seed, seed, args) for seed in args.seeds}
+            results = {seed: f.result() for seed, f in futs.items()}
+    else:
+        results = {seed: run_seed(seed, args) for seed in args.seeds}
     for seed in args.seeds:
-        base = load(args.preset, args.override)
-        cfg = load(args.preset, [*args.override, f"seed={base.seed + seed}",
-                                 f"envs.rl_seed={base.envs.rl_seed + SEED_STRIDE * seed}",
-                                 f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
-        parent = None
-        results[seed] = []
-        for it in range(1, args.iterations + 1):
-            say(f"seed {seed} · iteration {it}")
-            r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
-            results[seed].append(r)
-            parent = r["student"]
+        for it, r in enumerate(results[seed], 1):
             st = r["evaluation"]["stats"]
             rows = [[g, v["test"]["n"], ci(v["before"]), ci(v["after"]), f"{v['test']['delta']:+.3f}",
                      f"{v['test']['gained']} / {v['test']['lost']}", f"{v['test']['p_value']:.4f}",
@@ -108,6 +129,15 @@ def main() -> None:
                          " ".join(f"{x:+.3f}" for x in d), " ".join(f"{x:.3f}" for x in p)])
         table(f"iteration {it + 1} over seeds {args.seeds}: mean Δ ± sd (per-seed Δ and McNemar p)",
               ["group", "warm start", "student", "Δ", "Δ per seed", "p per seed"], rows)
+        pooled = []
+        for g in groups:  # every seed's held-out tasks are distinct: pool the paired flips
+            ts = [results[s][it]["evaluation"]["stats"][g]["test"] for s in args.seeds]
+            n, gained, lost = sum(t["n"] for t in ts), sum(t["gained"] for t in ts), sum(t["lost"] for t in ts)
+            lo, hi = paired_delta_ci(gained, lost, n)
+            pooled.append([g, n, f"{(gained - lost) / n:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{gained} / {lost}",
+                           f"{binom_two_sided(min(gained, lost), gained + lost):.4f}"])
+        table(f"iteration {it + 1}, seeds {args.seeds} pooled: Δ pass@1 with 95% interval, exact McNemar",
+              ["group", "paired tasks", "Δ [95% CI]", "gained / lost", "p"], pooled)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning.json").write_text(json.dumps({"overrides": args.override, "seeds": args.seeds,

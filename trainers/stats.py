@@ -50,7 +50,18 @@ def mcnemar_exact(before: Sequence[float], after: Sequence[float]) -> dict:
     n = len(b)
     return {"n": n, "gained": gained, "lost": lost, "both": sum(1 for x, y in zip(b, a) if x and y),
             "neither": sum(1 for x, y in zip(b, a) if not x and not y),
-            "delta": (gained - lost) / n if n else 0.0, "p_value": binom_two_sided(min(gained, lost), gained + lost)}
+            "delta": (gained - lost) / n if n else 0.0, "delta_ci95": paired_delta_ci(gained, lost, n),
+            "p_value": binom_two_sided(min(gained, lost), gained + lost)}
+
+
+def paired_delta_ci(gained: int, lost: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% interval of the change in pass@1 between two runs on the same n tasks, from the flips alone:
+    Δ = (gained − lost)/n with variance ((gained + lost) − (gained − lost)²/n)/n² (paired proportions)."""
+    if n == 0:
+        return (0.0, 0.0)
+    d = (gained - lost) / n
+    se = math.sqrt(max(0.0, (gained + lost) - (gained - lost) ** 2 / n)) / n
+    return (d - z * se, d + z * se)
 
 
 def summarize(rewards: Sequence[float]) -> dict:

@@ -42,3 +42,15 @@ def test_compare_groups_and_overall():
     assert out["all"]["before"]["k"] == 3 and out["all"]["after"]["k"] == 4 and out["all"]["test"]["n"] == 5
     s = summarize([1, 0, 0, 1])
     assert s["pass@1"] == 0.5 and s["ci95"][0] < 0.5 < s["ci95"][1]
+
+
+def test_paired_delta_interval_by_hand():
+    from trainers.stats import paired_delta_ci
+
+    # 30 gained, 10 lost of 200: Δ = 0.1, var = (40 − 400/200)/200² = 38/40000, se = 0.030822
+    lo, hi = paired_delta_ci(30, 10, 200)
+    assert abs((lo + hi) / 2 - 0.1) < 1e-12 and abs((hi - lo) / 2 - 1.959964 * 0.0308221) < 1e-6
+    # no flips: a point; all flips one way still has width from the count
+    assert paired_delta_ci(0, 0, 50) == (0.0, 0.0)
+    lo, hi = paired_delta_ci(5, 0, 100)
+    assert lo > 0 and abs(hi + lo - 0.1) < 1e-12
