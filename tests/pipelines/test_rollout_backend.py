@@ -83,3 +83,17 @@ def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tm
     assert all(r["trajectory_id"] in ids for rs in rows.values() for r in rs)
     # the last policy the servers were given is the expert (evaluation loads each policy in turn)
     assert len({v["weights_checksum"] for v in served.values()}) == 1
+
+
+def test_rollout_resource_serves_stages_and_teachers_on_separate_servers():
+    cfg = configs.load("micro")
+    off = RolloutBackend()
+    with off.stage_serving(cfg) as (urls, router), off.teacher_serving(cfg) as teachers:
+        assert urls is None and router == "" and teachers is None  # the CPU default: training stages in-process
+    on = RolloutBackend(all_stages=True, embedded_servers=2)
+    with on.stage_serving(cfg) as (urls, _), on.teacher_serving(cfg) as teachers:
+        assert len(urls) == 2 and len(teachers) == 2 and not set(urls) & set(teachers)
+        assert all(httpx.get(u + "/health").status_code == 200 for u in urls + teachers)
+    sg = RolloutBackend(kind="sglang", urls=["http://a:1"], teacher_urls=["http://t:2"])
+    with sg.stage_serving(cfg) as (urls, _), sg.teacher_serving(cfg) as teachers:
+        assert urls == ["http://a:1"] and teachers == ["http://t:2"]
