@@ -133,7 +133,16 @@ def test_same_seeded_sync_step_in_process_and_on_servers(servers, tmp_path):
         return sorted((t.env_id, [s.tokens for s in t.segments], [s.versions for s in t.segments], t.reward) for t in ts)
 
     assert len(seen_a) == len(seen_b) == 4 and key(seen_a) == key(seen_b)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # the rollout log-probs agree to float noise (co-batching differs between one engine and two servers),
+    # so the step's gradients agree to that noise too
+    lp = {t.env_id: [x for s in t.segments for x in s.logprobs] for t in seen_a}
+    for t in seen_b:
+        torch.testing.assert_close(torch.tensor([x for s in t.segments for x in s.logprobs]),
+                                   torch.tensor(lp[t.env_id]), rtol=0, atol=1e-5)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
     assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), actor.state_dict().values()))  # it moved
     assert la.version == lb.version == 1
 
