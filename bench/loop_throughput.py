@@ -99,7 +99,7 @@ def main() -> None:
         trained = sum(h["trajectories"] for h in hist)
         push = sum(p["seconds"] for p in loop.pushes) / max(1, len(loop.pushes))
         rows.append([layout, len(hist), trained, f"{dt:.1f}", trained / dt, loop.finished / dt,
-                     f"{loop.wait_seconds / dt:.0%}", f"{push * 1000:.0f} ms"])
+                     f"{loop.wait_seconds / dt:.0%}", f"{push * 1000:.0f} ms" if loop.pushes else "no update"])
     base = rows[0][4]
     for r in rows:
         r.append(r[4] / base)

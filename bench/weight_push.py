@@ -1,6 +1,6 @@
 """Weight-sync latency: a push of policy version v to the engines, in-process (state dict copy) vs servers by
 URL (checkpoint written once, then `/pause_generation` → `/update_weights_from_disk` → version and checksum
-check → `/continue_generation` on every worker), for `tiny` and a ~100M-parameter config.
+check → `/continue_generation` on every worker), for `tiny` and a 180M-parameter config.
 Run: .venv/bin/python bench/weight_push.py [--servers 2] [--repeat 3]
 """
 
@@ -24,7 +24,7 @@ from rollout.backend import InProcessBackend, ServerBackend
 BIG = ["model.hidden_size=768", "model.num_hidden_layers=8", "model.num_attention_heads=8", "model.q_lora_rank=384",
        "model.kv_lora_rank=256", "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
        "model.intermediate_size=2048", "model.moe_intermediate_size=512", "model.n_routed_experts=16",
-       "model.index_head_dim=64"]
+       "model.index_head_dim=64", "model.indexer_types=[full,shared,shared,shared,full,shared,shared,shared]"]
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     rows = []
-    for name, over in (("tiny", []), ("~100M", BIG)):
+    for name, over in (("tiny", []), ("big", BIG)):
         cfg = configs.load("tiny", over)
         torch.manual_seed(0)
         model = Transformer(cfg.model)
