@@ -430,6 +430,7 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     and each domain expert on its own domain (the teacher the student is measured against). Episodes run on
     the servers at `urls` when given (each policy loaded in turn), else in-process; every trajectory goes to the
     store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`."""
+    import itertools
     import tempfile
     from collections import defaultdict
 
@@ -443,7 +444,7 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     held = read_dataset(envs["eval"])
     rec, consumption = Recorder(store_path), []
     work = Path(out) if out else Path(tempfile.mkdtemp(prefix="temper-eval-"))
-    loads = iter(range(1, 10_000))
+    loads = itertools.count(1)  # each policy the servers load gets its own version
 
     def run(ckpt: str, specs, who: str) -> dict:
         from rollout.backend import ServerBackend

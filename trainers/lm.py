@@ -78,7 +78,7 @@ class LMTrainer:
         if w > 1:
             if ids.shape[0] % w:
                 raise ValueError(f"data parallelism: the batch of {ids.shape[0]} rows does not split over {w} ranks")
-            g_ids, g_mask = ids, mask
+            g_mask = mask
             ids = ids[self.backend.rank :: w]
             mask = None if mask is None else mask[self.backend.rank :: w]
             if mask is not None:  # local mean × (local count · W / global count) = this rank's share of the sum
@@ -86,7 +86,6 @@ class LMTrainer:
                 steps = c.mtp_train_steps or m.config.mtp_draft_steps
                 mtp_w = [float(mask[:, 2 + s :].sum()) * w / max(1.0, float(g_mask[:, 2 + s :].sum()))
                          for s in range(steps)]
-            del g_ids
         out = m.run(ids, dense=dense, collect_indexer=self.indexer_loss, detach_indexer_input=True)
         loss = next_token_loss(out.logits, ids, mask) * lm_scale
         total = loss
