@@ -143,7 +143,7 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or where[out["source"]]})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start], pool="duckdb_writer",
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start, verified_envs], pool="duckdb_writer",
           retry_policy=LONG_STEP_RETRY, description="One rollout per verified environment, in the DuckDB trajectory store")
 def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                     sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
@@ -161,16 +161,18 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rollout_batches],
-          description="Verifier rewards of the rollouts, per family and status (DuckDB)")
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rollout_batches], pool="duckdb_writer",
+          description="Verifier rewards of the rollouts, per domain, family and status, read from the DuckDB store")
 def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     from pipelines import stages
 
     it = context.partition_key
     d = temper.dir(it)
-    out = stages.rewards(temper.store_path(), int(it))
+    # the store is opened under the writer pool: DuckDB refuses a reader while another process writes
+    out = stages.rewards(temper.store_path(), int(it), _load(d, "rollout_batches").get("trajectory_ids"))
     _save(d, "rewards", out)
     flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
+    flat.update({f"{dom}_mean_reward": v for dom, v in out["domain_reward"].items()})
     fams = out.get("by_family", {})
     meta = _track(temper, it, "rewards", out, flat,
                   bars={"mean reward per family": {f: v["mean_reward"] for f, v in fams.items()},
@@ -178,14 +180,16 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards], retry_policy=LONG_STEP_RETRY,
-          pool="duckdb_writer", description="One SAO-trained expert per domain, each from the warm start")
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards, warm_start, verified_envs],
+          retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
+          description="One SAO-trained expert per domain, each from the warm start; its critic and first step "
+                      "read the domain's scored rollouts back from the store")
 def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
     envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
-    dom_reward = _load(d, "rollout_batches").get("domain_reward", {})
+    scored = _load(d, "rewards").get("domains", {})
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
@@ -194,7 +198,9 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
             continue
         with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
             out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
-                              domain=dom, out=str(d / "experts" / dom), domain_reward=dom_reward.get(dom),
+                              domain=dom, out=str(d / "experts" / dom),
+                              domain_reward=scored.get(dom, {}).get("mean_reward"),
+                              warm_rollouts=scored.get(dom, {}).get("ids"),
                               urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                               iteration=int(it))
         m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
@@ -211,8 +217,8 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                           **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts], retry_policy=LONG_STEP_RETRY,
-          pool="duckdb_writer",
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts, warm_start, verified_envs],
+          retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="The student distilled from the domain experts by multi-teacher on-policy distillation")
 def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
@@ -232,8 +238,9 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[opd_student], retry_policy=LONG_STEP_RETRY,
-          pool="duckdb_writer", description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
+@dg.asset(partitions_def=ITERATIONS, group_name="iteration",
+          deps=[opd_student, sao_experts, warm_start, verified_envs], retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
+          description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
 def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key

@@ -48,10 +48,12 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
                           seed=cfg.seed) as urls:
         ro = timed("rollout_batches", stages.rollout_batches, cfg, ws["checkpoint"], envs, out / "store.duckdb",
                    iteration, urls)
+    scored = stages.rewards(out / "store.duckdb", iteration, ro["trajectory_ids"])["domains"]
     experts = {}
     for dom in envs["domains"]:
         experts[dom] = timed(f"sao_{dom}", stages.sao_expert, cfg, ws["checkpoint"], envs, dom, out / "experts" / dom,
-                             domain_reward=ro["domain_reward"].get(dom), iteration=iteration)
+                             domain_reward=scored.get(dom, {}).get("mean_reward"), iteration=iteration,
+                             store_path=out / "store.duckdb", warm_rollouts=scored.get(dom, {}).get("ids"))
     live = {d: e["checkpoint"] for d, e in experts.items() if e["steps"] > 0}
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,

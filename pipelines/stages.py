@@ -67,6 +67,9 @@ class Recorder:
 
 
 ITERATION_SEED_STRIDE = 7_919
+# Within an iteration the warm start is policy version 1 (its checkpoint says so); every trainer counts on from it.
+# `rollout_batches` serves it at this version, so SAO's first step sees those rollouts at staleness 0.
+WARM_VERSION = 1
 
 
 def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
@@ -201,7 +204,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
             log(f"SFT step {trainer.step_no}/{cfg.train.max_steps}: loss {st.loss:.4f}")
 
     train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
-    save_checkpoint(model, out / "checkpoint", policy_version=1)
+    save_checkpoint(model, out / "checkpoint", policy_version=WARM_VERSION)
     return {"checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft", "sft_steps": len(losses),
             "resumed_from_step": start, "curves": {"sft_loss": losses}}
 
@@ -221,7 +224,7 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
     specs = read_dataset(rl_set(envs))
 
     async def go():
-        await load_weights(urls, checkpoint, version=iteration)
+        await load_weights(urls, checkpoint, version=WARM_VERSION)
         log(f"loaded {checkpoint} into {len(urls)} worker(s); rolling out {len(specs)} environments")
         policy = await open_policy(urls, router_url)
         try:
@@ -234,6 +237,7 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
         n = st.write(trajs)
         export = st.export_parquet(iteration, store_path.parent / "parquet")
     return {"trajectories": n, "tokens": sum(t.n_tokens for t in trajs), "store": str(store_path), "parquet": str(export),
+            "trajectory_ids": [t.trajectory_id for t in trajs], "policy_version": WARM_VERSION,
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
             "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),
             "domain_reward": {d: sum(t.reward for t in trajs if t.domain == d) / sum(1 for t in trajs if t.domain == d)
@@ -242,11 +246,20 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
                               for f in sorted({t.family for t in trajs})}}
 
 
-def rewards(store_path: Path, iteration: int) -> dict:
+def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None = None) -> dict:
+    """The verifier rewards of `rollout_batches`' trajectories (`trajectory_ids`; None: all of the iteration's),
+    read back from the store: counts and mean reward per family and status, and per domain with the ids that
+    SAO reads back (its critic pre-training and first batch)."""
     from store import TrajectoryStore
 
     with TrajectoryStore(store_path, read_only=True) as st:
-        return st.stats(iteration)
+        if trajectory_ids is None:
+            trajectory_ids = st.read_arrow(iteration)[0].column("trajectory_id").to_pylist()
+        out = st.stats(iteration, ids=trajectory_ids)
+        doms = st.domain_rewards(trajectory_ids, iteration)
+    out["domains"] = doms
+    out["domain_reward"] = {d: v["mean_reward"] for d, v in doms.items()}
+    return out
 
 
 def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
@@ -264,7 +277,7 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
 
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet,
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
-               store_path: Path | None = None, iteration: int = 0) -> dict:
+               store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
@@ -272,7 +285,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     Rollouts run on the servers at `urls` (behind temper's Router, or `router_url`) or, without URLs, on an
     in-process engine; every trajectory and what SAO did with it (trained at step s, or dropped) goes to the
-    store at `store_path`."""
+    store at `store_path`. `warm_rollouts`: ids of this domain's `rollout_batches` trajectories (from `rewards`),
+    read back from that store for the critic's pre-training and the first step (`loop.warm_rollouts`)."""
     import torch
 
     from envs.dataset import read_dataset
@@ -291,10 +305,11 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     model = load_checkpoint(checkpoint)
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
-    backend = _backend(cfg, model, tok, out, urls, router_url, version=1, name=f"sao-{domain}")
+    backend = _backend(cfg, model, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}")
     rec = Recorder(store_path)
-    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=1, backend=backend,
-                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}")
+    warm = _read_warm(store_path, iteration, domain, warm_rollouts) if state is None else []
+    loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
+                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm)
     hist: list[dict] = []
     start = n0 = 0
     if state is not None:
@@ -327,7 +342,29 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss",
                                                                    "mismatch_fresh_mean", "mismatch_fresh_max")},
             "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
+            "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
             "stored_consumption": rec.rows, **_mismatch_summary(hist)}
+
+
+def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[str] | None) -> list:
+    """This domain's warm-start rollouts, read back from the store. They must be what `rollout_batches` stored:
+    a missing id, another domain or another policy version is an error, not a silent skip."""
+    if not ids or store_path is None:
+        return []
+    from store import TrajectoryStore
+
+    with TrajectoryStore(store_path, read_only=True) as st:
+        trajs = st.read(iteration, ids=ids)
+    missing = sorted(set(ids) - {t.trajectory_id for t in trajs})
+    if missing:
+        raise ValueError(f"{len(missing)} warm rollout(s) are not in {store_path} for iteration {iteration}: "
+                         f"{', '.join(missing[:5])}")
+    bad = [t.trajectory_id for t in trajs if t.domain != domain or
+           (t.n_trainable and t.policy_versions() != (WARM_VERSION, WARM_VERSION))]
+    if bad:
+        raise ValueError(f"warm rollouts {', '.join(bad[:5])} are not {domain} trajectories of the warm start "
+                         f"(policy version {WARM_VERSION})")
+    return trajs
 
 
 def _mismatch_summary(hist: list[dict]) -> dict:

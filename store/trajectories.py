@@ -391,10 +391,26 @@ def _where(
     min_version: int | None,
     max_staleness: int | None,
     current_version: int | None,
+    ids: Sequence[str] | None = None,
+    domain: str | Iterable[str] | None = None,
 ) -> tuple[str, list]:
     """SQL predicate and parameters for the trajectory filters shared by every read method."""
     clauses: list[str] = []
     params: list = []
+    if ids is not None:
+        if isinstance(ids, str):
+            raise ValueError("ids must be a list of trajectory ids, not one string")
+        ids = [str(i) for i in ids]
+        if not ids:
+            return "FALSE", []
+        clauses.append(f"trajectory_id IN ({', '.join('?' * len(ids))})")
+        params += ids
+    if domain is not None:
+        doms = [domain] if isinstance(domain, str) else list(domain)
+        if not doms or not all(isinstance(d, str) for d in doms):
+            raise ValueError(f"domain must be a string or a non-empty list of strings, got {domain!r}")
+        clauses.append(f"domain IN ({', '.join('?' * len(doms))})")
+        params += doms
     if iteration is not None:
         its = [iteration] if isinstance(iteration, int) else list(iteration)
         if not its or not all(isinstance(i, int) for i in its):
@@ -476,6 +492,9 @@ class _Queries(ABC):
         max_staleness: int | None = None,
         current_version: int | None = None,
         limit: int | None = None,
+        *,
+        ids: Sequence[str] | None = None,
+        domain: str | Iterable[str] | None = None,
     ) -> list[Trajectory]:
         """Trajectories matching every given filter, ordered by (iteration, created, trajectory_id).
 
@@ -483,9 +502,11 @@ class _Queries(ABC):
         token came from policy version >= min_version. max_staleness with current_version: keep
         trajectories whose staleness, current_version - min_version over generated tokens, is at most
         max_staleness. Trajectories with no generated tokens pass both version filters. limit: at most
-        this many (the first in the order above).
+        this many (the first in the order above). ids: only these trajectories (an empty list: none).
+        domain: one domain or several.
         """
-        return from_arrow(*self.read_arrow(iteration, status, min_version, max_staleness, current_version, limit))
+        return from_arrow(*self.read_arrow(iteration, status, min_version, max_staleness, current_version, limit,
+                                           ids=ids, domain=domain))
 
     def read_arrow(
         self,
@@ -495,6 +516,9 @@ class _Queries(ABC):
         max_staleness: int | None = None,
         current_version: int | None = None,
         limit: int | None = None,
+        *,
+        ids: Sequence[str] | None = None,
+        domain: str | Iterable[str] | None = None,
     ) -> tuple[pa.Table, pa.Table]:
         """`read` without building Python objects: (trajectories, segments) Arrow tables for a trainer's collate.
 
@@ -502,7 +526,7 @@ class _Queries(ABC):
         Column names are the schema's; list columns come as Arrow list or large_list. Building Python lists
         (`read`) costs about ten times more than this.
         """
-        where, params = _where(iteration, status, min_version, max_staleness, current_version)
+        where, params = _where(iteration, status, min_version, max_staleness, current_version, ids, domain)
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         src = self._sources(iteration)
@@ -530,22 +554,25 @@ class _Queries(ABC):
         min_version: int | None = None,
         max_staleness: int | None = None,
         current_version: int | None = None,
+        *,
+        ids: Sequence[str] | None = None,
+        domain: str | Iterable[str] | None = None,
     ) -> int:
         """How many trajectories `read` would return with the same filters."""
-        where, params = _where(iteration, status, min_version, max_staleness, current_version)
+        where, params = _where(iteration, status, min_version, max_staleness, current_version, ids, domain)
         src = self._sources(iteration)
         if src is None:
             return 0
         with self._snapshot() as cur:
             return cur.execute(f"SELECT count(*) FROM {src[0]} WHERE {where}", params).fetchall()[0][0]
 
-    def stats(self, iteration: int | Iterable[int] | None = None) -> dict:
+    def stats(self, iteration: int | Iterable[int] | None = None, *, ids: Sequence[str] | None = None) -> dict:
         """Counts, tokens and mean reward of an iteration (None: all), in total, per status and per family.
 
         Returns {"trajectories", "tokens", "trainable_tokens", "mean_reward" (None when empty), "by_status":
-        {status: n}, "by_family": {family: {the same keys, by_status included}}}.
+        {status: n}, "by_family": {family: {the same keys, by_status included}}}. ids: only these trajectories.
         """
-        where, params = _where(iteration, None, None, None, None)
+        where, params = _where(iteration, None, None, None, None, ids)
         src = self._sources(iteration)
         rows = []
         if src is not None:
@@ -575,6 +602,28 @@ class _Queries(ABC):
 
         out = finish(total)
         out["by_family"] = {f: finish(a) for f, a in fams.items()}
+        return out
+
+    def domain_rewards(self, ids: Sequence[str], iteration: int | None = None) -> dict[str, dict]:
+        """The verifier rewards of the trajectories `ids`, per domain, from the store's `rewards` view:
+        {domain: {"trajectories": n, "mean_reward": r, "by_status": {status: n}, "ids": [...]}}, ids in the
+        store's order. Every trajectory counts, crashed ones at their reward of 0: this is what the policy earned."""
+        where, params = _where(iteration, None, None, None, None, ids, None)
+        src = self._sources(iteration)
+        out: dict[str, dict] = {}
+        if src is None:
+            return out
+        with self._snapshot() as cur:
+            rows = cur.execute(f"SELECT domain, trajectory_id, status, reward FROM {src[0]} WHERE {where} "
+                               f"ORDER BY domain, {_ORDER}", params).fetchall()
+        for dom, tid, status, reward in rows:
+            d = out.setdefault(dom, {"trajectories": 0, "reward_sum": 0.0, "by_status": {}, "ids": []})
+            d["trajectories"] += 1
+            d["reward_sum"] += reward
+            d["by_status"][status] = d["by_status"].get(status, 0) + 1
+            d["ids"].append(tid)
+        for d in out.values():
+            d["mean_reward"] = d.pop("reward_sum") / d["trajectories"]
         return out
 
 

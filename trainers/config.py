@@ -73,6 +73,10 @@ class LoopConfig(BaseModel):
     group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
     n_slots: int = Field(default=8, gt=0)
     save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
+    # what SAO does with the iteration's stored rollouts of the warm start (`rollout_batches`, one per RL env):
+    # "train": pre-train the critic on them, then take the first actor step on all of them at once (they are
+    # on-policy: the actor has not moved yet); "critic": only the critic; "off": ignore them
+    warm_rollouts: Literal["train", "critic", "off"] = "train"
     seed: int = 0
 
 

@@ -45,11 +45,14 @@ class RLLoop:
     def __init__(self, actor: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
                  agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
                  on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0,
-                 backend=None, consumer: str = "sao", train_backend=None):
+                 backend=None, consumer: str = "sao", train_backend=None, warm: list[Trajectory] | None = None):
         """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine).
         `train_backend`: the trainer's data-parallel runtime (trainers/backends.py). With several ranks, rank 0
         owns the rollout side (episodes, the batch queue, the weight pushes) and hands every batch to the other
-        ranks; every rank trains on its share and all end each step with the same weights."""
+        ranks; every rank trains on its share and all end each step with the same weights.
+        `warm`: trajectories the actor's current weights already generated (the iteration's `rollout_batches`,
+        read back from the store). By `cfg.warm_rollouts` they pre-train the critic ("critic"), and are also the
+        first training batch, all at once ("train"), before any fresh rollout; "off" ignores them."""
         from .backends import TorchBackend
 
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
@@ -77,6 +80,7 @@ class RLLoop:
         self._stop = threading.Event()
         self._cursor = 0
         self._since_push = 0  # actor updates not yet pushed to the engine
+        self.warm = list(warm or []) if self.cfg.warm_rollouts != "off" else []
 
     def _next_spec(self) -> TaskSpec:
         s = self.specs[self._cursor % len(self.specs)]
@@ -156,16 +160,20 @@ class RLLoop:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
         try:
+            warm = self._shared(lambda: self.warm) if self.trainer.steps == 0 else []
             if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and self.trainer.steps == 0:
-                first = self._collect()  # value pre-training on the first batch, before any actor update
+                # value pre-training before any actor update: on the warm rollouts, or on the first fresh batch
+                first = warm or self._collect()
                 self.trainer.value_pretrain(first)
                 self._consumed([(t, "value_pretrain") for t in first], None)
+            if self.cfg.warm_rollouts != "train":
+                warm = []
             for step in range(steps):
                 if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
                     from .lm import TimeCapExceeded
 
                     raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
-                batch = self._collect()
+                batch, warm = (warm, []) if warm else (self._collect(), [])
                 st = self.trainer.step(batch, self.version)
                 self.loop_steps += 1
                 self._consumed(self.trainer.outcomes, self.loop_steps)
@@ -196,11 +204,15 @@ class RLLoop:
             self.wait_seconds += time.perf_counter() - t0  # the trainer idles, waiting for rollouts
 
     def _collect_batch(self) -> list[Trajectory]:
+        return self._shared(self._generate)
+
+    def _shared(self, make: Callable[[], list[Trajectory]]) -> list[Trajectory]:
+        """Rank 0's `make()`, on every rank (one rank: just `make()`)."""
         if self.dp.world_size == 1:
-            return self._generate()
+            return make()
         import torch.distributed as dist
 
-        box = [self._generate() if self.dp.is_main else None]
+        box = [make() if self.dp.is_main else None]
         dist.broadcast_object_list(box, src=0)  # every rank trains on its share of the same batch
         return box[0]
 

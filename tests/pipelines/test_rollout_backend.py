@@ -28,7 +28,55 @@ def test_rollouts_through_two_servers_by_url(tmp_path):
         trajs = st.read(iteration=7)
     assert len(trajs) == out["trajectories"]
     versions = {v for t in trajs for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
-    assert versions == {7}  # every generated token came from the weights loaded for this iteration
+    assert versions == {stages.WARM_VERSION}  # every generated token came from the warm start, served at its version
+    assert sorted(out["trajectory_ids"]) == sorted(t.trajectory_id for t in trajs)
+
+
+def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
+    """rollout_batches → rewards → sao_expert is a real data flow: `rewards` scores the stored rollouts per domain,
+    and SAO's critic pre-trains on that domain's rollouts, read back from the store, then takes its first step on them."""
+    cfg = configs.load("micro", ["envs.n_train=8", "envs.n_eval=1", "envs.probes=false", "loop.steps=2",
+                                 "sao.value_pretrain_steps=1"])
+    specs = stages.env_specs(cfg, tmp_path / "envs")
+    envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
+    torch.manual_seed(1)
+    save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
+    store = tmp_path / "t.duckdb"
+    with embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
+        ro = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, store, iteration=2, urls=urls)
+    # an unrelated trajectory of the same iteration in the store: `rewards` scores only rollout_batches' own
+    with TrajectoryStore(store) as st:
+        extra = st.read(2, limit=1)[0]
+        extra.trajectory_id, extra.reward = "not-a-rollout", 1.0
+        st.write([extra])
+    scored = stages.rewards(store, 2, ro["trajectory_ids"])
+    with TrajectoryStore(store, read_only=True) as st:
+        trajs = st.read(2, ids=ro["trajectory_ids"])
+    assert scored["trajectories"] == len(trajs) == ro["trajectories"]
+    for dom, d in scored["domains"].items():
+        mine = [t for t in trajs if t.domain == dom]
+        assert sorted(d["ids"]) == sorted(t.trajectory_id for t in mine)
+        assert d["mean_reward"] == pytest.approx(sum(t.reward for t in mine) / len(mine))
+        assert scored["domain_reward"][dom] == d["mean_reward"]
+    dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])
+    warm = scored["domains"][dom]["ids"]
+    out = stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "expert", store_path=store,
+                            iteration=2, warm_rollouts=warm)
+    assert out["warm_rollouts"] == len(warm) and out["warm_rollouts_use"] == "train"
+    with TrajectoryStore(store, read_only=True) as st:
+        rows = st.consumption("sao")
+    assert sorted(r["trajectory_id"] for r in rows if r["outcome"] == "value_pretrain") == sorted(warm)
+    first = [r for r in rows if r["step"] == 1]
+    assert sorted(r["trajectory_id"] for r in first) == sorted(warm) and all(r["staleness"] == 0 for r in first)
+    # ids that are not this domain's warm-start rollouts are refused, not silently skipped
+    other = next((d for d in scored["domains"] if d != dom), None)
+    with pytest.raises(ValueError, match="not in"):
+        stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "x1", store_path=store, iteration=2,
+                          warm_rollouts=warm + ["no-such-id"])
+    if other is not None:
+        with pytest.raises(ValueError, match=f"not {dom} trajectories"):
+            stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "x2", store_path=store,
+                              iteration=2, warm_rollouts=scored["domains"][other]["ids"])
 
 
 def test_sglang_backend_needs_urls():

@@ -148,11 +148,17 @@ def test_filters_match_a_python_reference(tmp_path):
     with TrajectoryStore(tmp_path / "t.db") as store:
         store.write(trajs)
 
-        def ref(iteration=None, status=None, min_version=None, max_staleness=None, current_version=None):
+        def ref(iteration=None, status=None, min_version=None, max_staleness=None, current_version=None, ids=None,
+                domain=None):
             its = None if iteration is None else ({iteration} if isinstance(iteration, int) else set(iteration))
             sts = None if status is None else ({status} if isinstance(status, str) else set(status))
+            doms = None if domain is None else ({domain} if isinstance(domain, str) else set(domain))
             out = []
             for t in trajs:
+                if ids is not None and t.trajectory_id not in set(ids):
+                    continue
+                if doms is not None and t.domain not in doms:
+                    continue
                 vmin = t.policy_versions()[0]
                 gen = t.n_trainable > 0
                 if its is not None and t.iteration not in its:
@@ -176,6 +182,11 @@ def test_filters_match_a_python_reference(tmp_path):
             {"max_staleness": 0, "current_version": 7},
             {"max_staleness": 2, "current_version": 7, "status": "completed"},
             {"max_staleness": 3, "current_version": 6, "iteration": 0, "min_version": 4},
+            {"ids": ["f007", "f003", "f050", "nope"]},
+            {"ids": [f"f{i:03d}" for i in range(0, 60, 2)], "iteration": 1, "status": "completed"},
+            {"ids": []},
+            {"domain": "math"},
+            {"domain": ["code", "reasoning"], "iteration": 2},
         ]
         for kw in cases:
             want = ref(**kw)
@@ -190,6 +201,26 @@ def test_filters_match_a_python_reference(tmp_path):
             store.count(current_version=3)
         with pytest.raises(ValueError, match="status 'done'"):
             store.read(status="done")
+        with pytest.raises(ValueError, match="ids must be a list"):
+            store.read(ids="f001")
+
+
+def test_domain_rewards_match_a_hand_count(tmp_path):
+    trajs = make(40, iteration=2) + make(10, seed=1, prefix="other", iteration=3)
+    pick = [t.trajectory_id for t in trajs[::3]] + ["absent"]
+    with TrajectoryStore(tmp_path / "t.db") as store:
+        store.write(trajs)
+        got = store.domain_rewards(pick, iteration=2)
+        mine = [t for t in trajs if t.trajectory_id in set(pick) and t.iteration == 2]
+        assert sorted(got) == sorted({t.domain for t in mine})
+        for dom, g in got.items():
+            dt = sorted((t for t in mine if t.domain == dom), key=lambda t: (t.created, t.trajectory_id))
+            assert g["ids"] == [t.trajectory_id for t in dt]
+            assert g["trajectories"] == len(dt) and sum(g["by_status"].values()) == len(dt)
+            assert g["mean_reward"] == pytest.approx(np.mean([t.reward for t in dt]), rel=1e-12)
+        # stats over the same ids agree with the per-domain counts
+        assert store.stats(2, ids=pick)["trajectories"] == len(mine) == sum(g["trajectories"] for g in got.values())
+        assert store.domain_rewards([], iteration=2) == {}
 
 
 def test_stats_match_a_hand_count(tmp_path):

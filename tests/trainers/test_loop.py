@@ -102,3 +102,41 @@ def test_loop_all_stale_batch_is_no_new_version():
     assert hist[0]["updated"] is False and hist[0]["dropped_stale"] == 4 and hist[0]["trajectories"] == 0
     assert loop.version == 3 and loop.pushes == []
     assert _same(init, _snapshot(actor))
+
+
+def _warm_rollouts(n: int = 6):
+    """Episodes of the untrained micro actor (policy version 0), rewards alternating 1 / 0: what
+    `rollout_batches` stores for SAO to read back."""
+    loop, actor, seen = _loop("sync", lambda i: float((i + 1) % 2))
+    loop.cfg = loop.cfg.model_copy(update={"batch_size": n, "group_size": 1})
+    trajs = loop._generate()
+    loop.backend.close()
+    return trajs
+
+
+@pytest.mark.parametrize("use", ["train", "critic", "off"])
+def test_loop_warm_rollouts(use):
+    warm = _warm_rollouts(6)
+    assert all(t.policy_versions() == (0, 0) for t in warm if t.n_trainable)
+    loop, actor, seen = _loop("async", lambda i: float(i % 2))  # the same initial actor (seed 0)
+    loop.cfg = loop.cfg.model_copy(update={"warm_rollouts": use})
+    loop.warm = warm if use != "off" else []
+    hist = loop.run(2)
+    ids = {t.trajectory_id for t in warm}
+    rows = loop.consumption
+    pre = [r["trajectory_id"] for r in rows if r["outcome"] == "value_pretrain"]
+    step1 = [r for r in rows if r["step"] == 1]
+    step2 = [r for r in rows if r["step"] == 2]
+    if use == "off":  # the critic pre-trains on the first fresh batch, as without warm rollouts
+        assert len(pre) == 4 and not ids & set(pre)
+    else:  # the critic pre-trains on every warm rollout, and on nothing else
+        assert sorted(pre) == sorted(ids)
+    if use == "train":  # the first step trains on all six warm rollouts at once, on-policy (staleness 0)
+        assert sorted(r["trajectory_id"] for r in step1) == sorted(ids)
+        assert all(r["outcome"] == "trained" and r["staleness"] == 0 for r in step1)
+        assert hist[0]["trajectories"] == 6 and hist[0]["updated"]
+    else:  # a fresh batch of the loop's own size
+        assert len(step1) == 4 and not ids & {r["trajectory_id"] for r in step1}
+    # then fresh rollouts only
+    assert len(step2) == 4 and not ids & {r["trajectory_id"] for r in step2}
+    assert not ids & {t.trajectory_id for t in seen}
