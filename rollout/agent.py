@@ -76,8 +76,16 @@ class Agent:
         out = await self.policy.generate(seg.tokens, sp, return_logprob=True, session_id=sid)
         ids = list(out["output_ids"])
         meta = out.get("meta_info", {})
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])] or [0.0] * len(ids)
-        vers = meta.get("output_token_versions") or [int(meta.get("weight_version", 0) or 0)] * len(ids)
+        fin = meta.get("finish_reason")
+        if (fin.get("type") if isinstance(fin, dict) else fin) == "abort":
+            why = fin.get("error") or fin.get("message") if isinstance(fin, dict) else None
+            raise EngineFault(f"the engine aborted the request{f': {why}' if why else ''}")
+        raw = meta.get("output_token_logprobs") or []
+        if len(raw) != len(ids) or any(x is None or x[0] is None for x in raw):
+            # never train on made-up log-probs: the episode is the engine's fault, not the policy's
+            raise EngineFault(f"the engine returned {len(ids)} tokens with {len(raw)} log-probs")
+        lps = [float(x[0]) for x in raw]
+        vers = meta.get("output_token_versions") or [_version(meta.get("weight_version"), self.policy)] * len(ids)
         return ids, lps, [int(v) for v in vers], meta.get("worker", self.engine_name)
 
     async def run(self, spec: TaskSpec, iteration: int = 0, trajectory_id: str | None = None) -> Trajectory:
@@ -155,7 +163,8 @@ class Agent:
             if r.status == "crashed":
                 status, error = "crashed", "verifier crashed"
         except Exception as e:  # noqa: BLE001 - a broken environment or engine marks this episode only
-            status, error = ("aborted" if "Unavailable" in type(e).__name__ else "crashed"), f"{type(e).__name__}: {e}"
+            engine_fault = isinstance(e, EngineFault) or "Unavailable" in type(e).__name__
+            status, error = ("aborted" if engine_fault else "crashed"), f"{type(e).__name__}: {e}"
             reward = 0.0
             if not segments:
                 segments = [Segment([], [], [], [])]
@@ -164,6 +173,20 @@ class Agent:
         timings["total"] = time.perf_counter() - t0
         return Trajectory(tid, spec.id, spec.family, spec.domain, spec.spec_hash, spec.verifier_hash, iteration,
                           segments, reward, status, details, engine, timings, time.time(), error)
+
+
+class EngineFault(RuntimeError):
+    """The engine, not the policy, ended a generation: aborted, or no log-probs for its tokens. The episode is
+    marked `aborted` (infrastructure), never trained on as if the policy had chosen to stop."""
+
+
+def _version(v, policy) -> int:
+    """A reply's weight version: temper's servers send an integer (as a string); SGLang sends "default" until a
+    version is set, and then the one the policy's WeightSync pushed is the right one."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return int(getattr(policy, "version", 0) or 0)
 
 
 async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, concurrency: int = 8,

@@ -198,3 +198,53 @@ def test_seeded_sampling_repeats_an_episode_whatever_runs_beside_it(sandbox):
     toks = lambda t: [x for s in t.segments for x in s.tokens]  # noqa: E731
     assert toks(alone) == toks(among)
     assert toks(alone) != toks(other)  # an untrained model samples near-uniformly: another seed, other bytes
+
+
+class _Faulty(Scripted):
+    """Replies like an engine that failed mid-episode: the first turn is fine, the second is cut by `fault`."""
+
+    def __init__(self, actions, fault):
+        super().__init__(actions)
+        self.fault, self.turns = fault, 0
+
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        out = await super().generate(input_ids, sampling_params, **kw)
+        self.turns += 1
+        if self.turns == 2:
+            self.fault(out)
+        return out
+
+
+def _abort(out):
+    out["output_ids"] = out["output_ids"][:3]
+    out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:3]
+    out["meta_info"]["finish_reason"] = {"type": "abort", "matched": None, "error": "engine step failed"}
+
+
+def _no_logprobs(out):
+    del out["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("fault", [_abort, _no_logprobs])
+def test_an_engine_fault_marks_the_episode_aborted_not_completed(sandbox, fault):
+    """An aborted generation, or tokens without log-probs, is the engine's fault: the trajectory is `aborted`
+    (dropped by the trainers, counted), never `completed` with made-up log-probs."""
+    spec = FAMILIES["kv-lookup"].make(3)
+    t = asyncio.run(Agent(_Faulty(spec.reference, fault), TOK, sandbox).run(spec))
+    assert t.status == "aborted" and t.reward == 0.0 and "EngineFault" in t.error
+    ok = asyncio.run(Agent(Scripted(spec.reference), TOK, sandbox).run(spec))
+    assert ok.status == "completed" and ok.reward == 1.0
+
+
+def test_sglang_string_weight_version_takes_the_pushed_version(sandbox):
+    spec = FAMILIES["kv-lookup"].make(4)
+
+    class Sgl(Scripted):
+        async def generate(self, input_ids, sampling_params=None, **kw):
+            out = await super().generate(input_ids, sampling_params, **kw)
+            del out["meta_info"]["output_token_versions"]
+            out["meta_info"]["weight_version"] = "default"
+            return out
+
+    t = asyncio.run(Agent(Sgl(spec.reference, version=5), TOK, sandbox).run(spec))
+    assert t.status == "completed" and t.policy_versions() == (5, 5)
