@@ -3,7 +3,7 @@
     env = Environment(spec, sandbox)
     obs = env.reset()                      # the instruction
     step = env.step(assistant_text)        # parse → run the tool in the sandbox → observation
-    reward = env.verify()                  # deterministic; a crashing check → reward 0, status "crashed"
+    reward = env.verify()                  # deterministic; see `verify` for failures and infrastructure faults
     env.close()
 
 Malformed actions, unknown tools and tool errors come back as observations; nothing the agent writes
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,6 +26,9 @@ from pathlib import Path
 from .actions import Action, ActionError, parse_action
 from .sandbox import Limits, RunResult, Sandbox
 from .spec import Check, TaskSpec
+from .tools.check import tag
+
+VERIFY_ATTEMPTS = 3  # an infrastructure fault (the sandbox did not start) is retried this many times in all
 
 OBS_CHARS = 4000
 
@@ -49,12 +54,51 @@ class CheckResult:
 @dataclass
 class Reward:
     reward: float
-    status: str  # "ok" | "crashed"
+    status: str  # "ok" (a verdict, pass or fail) | "crashed" (the verifier's infrastructure failed every attempt)
     checks: list[CheckResult] = field(default_factory=list)
+    attempts: int = 1
 
     def to_dict(self) -> dict:
-        return {"reward": self.reward, "status": self.status,
+        return {"reward": self.reward, "status": self.status, "attempts": self.attempts,
                 "checks": [c.__dict__ for c in self.checks]}
+
+
+class WorkspaceError(Exception):
+    """The workspace holds something a verifier will not read: a special file (FIFO, socket, device)."""
+
+
+def _pinned_sha(path: Path) -> str | None:
+    """sha256 of a regular file, read without following a link; None for a link, a special file or nothing."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def copy_workspace(src: Path, dst: Path) -> None:
+    """Copy the workspace for a verifier: directories and regular files as they are, links as links (never
+    followed), and a special file refused with WorkspaceError (opening a FIFO would hang the verifier)."""
+    dst.mkdir()
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        st = entry.stat(follow_symlinks=False)
+        to = dst / entry.name
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(entry.path), to)
+        elif stat.S_ISDIR(st.st_mode):
+            copy_workspace(Path(entry.path), to)
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f, open(to, "wb") as g:
+                shutil.copyfileobj(f, g)
+        else:
+            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
+            raise WorkspaceError(f"{entry.path[len(str(src)) + 1:] if str(src) in entry.path else entry.name} "
+                                 f"is a {kind}")
 
 
 def _normalise(s: str, how: str) -> str:
@@ -160,17 +204,23 @@ class Environment:
 
     # ---- verification ------------------------------------------------------------------------------
     def verify(self) -> Reward:
-        """Run every check; reward 1.0 iff all pass. Never raises: a crash is reward 0, status crashed."""
-        results: list[CheckResult] = []
-        try:
-            for check in self.spec.verifier.checks:
-                results.append(self._check(check))
-        except Exception as e:  # noqa: BLE001 - the caller must never see a verifier crash
-            results.append(CheckResult("verifier", False, f"{type(e).__name__}: {e}", crashed=True))
-            return Reward(0.0, "crashed", results)
-        crashed = any(r.crashed for r in results)
-        ok = bool(results) and all(r.passed for r in results)
-        return Reward(1.0 if ok and not crashed else 0.0, "crashed" if crashed else "ok", results)
+        """Run every check; reward 1.0 iff all pass. Never raises.
+
+        What the agent left behind decides a failure (reward 0, status "ok", with the reason): wrong values, code
+        that raised, exited or hung, a missing or garbled observation, a special file in the workspace. Only a
+        fault of the verifier's own infrastructure (the sandbox did not start the check) is status "crashed":
+        it is retried up to VERIFY_ATTEMPTS times, and `attempts` says how many were made."""
+        for attempt in range(1, VERIFY_ATTEMPTS + 1):
+            results: list[CheckResult] = []
+            try:
+                for check in self.spec.verifier.checks:
+                    results.append(self._check(check))
+            except Exception as e:  # noqa: BLE001 - the caller must never see a verifier crash
+                results.append(CheckResult("verifier", False, f"{type(e).__name__}: {e}", crashed=True))
+            if not any(r.crashed for r in results):
+                ok = bool(results) and all(r.passed for r in results)
+                return Reward(1.0 if ok else 0.0, "ok", results, attempt)
+        return Reward(0.0, "crashed", results, VERIFY_ATTEMPTS)
 
     def _check(self, c: Check) -> CheckResult:
         if c.kind == "answer":
@@ -179,45 +229,55 @@ class Environment:
             got, want = _normalise(self.answer, c.normalize), _normalise(c.expected or "", c.normalize)
             return CheckResult(c.name, got == want, "match" if got == want else "wrong answer")
         if c.kind == "unchanged":
-            bad = []
-            for rel, h in c.hashes.items():
-                p = self.workspace / rel
-                cur = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-                if cur != h:
-                    bad.append(rel)
-            return CheckResult(c.name, not bad, f"modified: {bad}" if bad else "unchanged")
-        # python / pytest: run on a private copy of the final workspace, in the sandbox
+            bad = [rel for rel, h in c.hashes.items() if _pinned_sha(self.workspace / rel) != h]
+            return CheckResult(c.name, not bad, f"modified, replaced or not a regular file: {bad}" if bad else "unchanged")
+        # python / calls: run on a private copy of the final workspace, in the sandbox
         vdir = Path(tempfile.mkdtemp(prefix="verify-", dir=self._tmp))
         try:
             work = vdir / "work"
-            shutil.copytree(self.workspace, work, symlinks=True)
+            try:
+                copy_workspace(self.workspace, work)
+            except WorkspaceError as e:
+                return CheckResult(c.name, False, f"refused: {e}")
             work.chmod(0o777)
-            extra = {}
-            req = {"kind": c.kind, "nonce": secrets.token_hex(16)}
+            req = {"kind": c.kind, "nonce": secrets.token_hex(16), "work": self.sandbox.workdir(work)}
             if c.kind == "python":
                 req["code"] = c.code
             else:
-                tests = vdir / "tests"
-                for rel, content in c.files.items():
-                    p = tests / rel
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    p.write_text(content)
-                extra["/verify/tests"] = tests
-                req.update(tests=self.sandbox.visible("/verify/tests", tests), site=self.sandbox.site_dir(),
-                           work=self.sandbox.workdir(work), expect_passed=c.expect_passed)
+                req["calls"] = c.calls  # the expected values stay here
             sb = self.sandbox
             res = sb.run([sb.python(), "-I", f"{sb.tools_dir()}/check.py"], work, stdin=json.dumps(req) + "\n",
-                         limits=self.limits, extra_ro=extra)
-            for line in reversed(res.stdout.splitlines()):
-                if line.startswith(req["nonce"] + " "):
-                    v = json.loads(line[len(req["nonce"]) + 1 :])
-                    return CheckResult(c.name, bool(v["pass"]), v.get("detail", ""), bool(v.get("crashed")))
-            why = "timed out" if res.timed_out else f"exit {res.returncode}: {res.stderr.strip()[-200:]}"
-            # no verdict: the code under test killed the check process (os._exit, timeout, OOM) — a failed
-            # check, not a verifier crash, unless the check could not even start
-            return CheckResult(c.name, False, f"no verdict ({why})", crashed=res.returncode == 127)
+                         limits=self.limits)
+            lines = [ln[len(req["nonce"]) + 1:] for ln in res.stdout.splitlines() if ln.startswith(req["nonce"] + " ")]
+            if "ready" not in lines[:1]:  # the check never started: the sandbox failed, not the agent's code
+                why = "timed out" if res.timed_out else f"exit {res.returncode}: {res.stderr.strip()[-200:]}"
+                return CheckResult(c.name, False, f"verifier did not start ({why})", crashed=True)
+            try:
+                v = json.loads(lines[-1]) if len(lines) > 1 else None
+            except ValueError:
+                v = None
+            if not isinstance(v, dict):  # the code under test killed or garbled the check: a failure
+                why = "timed out" if res.timed_out else f"exit {res.returncode}"
+                return CheckResult(c.name, False, f"no observation ({why})")
+            if c.kind == "python":
+                return CheckResult(c.name, v.get("pass") is True, str(v.get("detail", ""))[:500])
+            return self._compare(c, v)
         finally:
             shutil.rmtree(vdir, ignore_errors=True)
+
+    @staticmethod
+    def _compare(c: Check, v: dict) -> CheckResult:
+        """The observed return values against the expected ones, type-strictly, here on the host."""
+        obs = v.get("observations")
+        if not isinstance(obs, list) or len(obs) != len(c.calls):
+            return CheckResult(c.name, False, f"garbled observations ({type(obs).__name__})")
+        wrong = []
+        for call, want, got in zip(c.calls, c.returns, obs):
+            if not (isinstance(got, dict) and "value" in got and got["value"] == tag(want)):
+                what = f"raised {got.get('raised')}" if isinstance(got, dict) and "raised" in got else "wrong value"
+                wrong.append(f"{call['fn']}({', '.join(map(repr, call['args']))}): {what}")
+        return CheckResult(c.name, not wrong, f"{len(c.calls) - len(wrong)}/{len(c.calls)} calls right"
+                                               + (f"; {'; '.join(wrong[:3])}" if wrong else ""))
 
     def close(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -6,8 +6,10 @@ reference solution (hidden from agent and verifier), the verifier, and content h
 of the verifier for provenance.
 
 A `Verifier` is data: a list of checks. "answer" compares the submitted answer; "python" runs a
-generated script in the sandbox over a copy of the final workspace; "pytest" runs hidden test files in
-the sandbox and requires an exact count of passing tests; "unchanged" pins files by hash.
+generated script in the sandbox over a copy of the final workspace (it reads files as data; no code of the
+agent's runs there); "calls" calls the workspace's functions in the sandbox and compares what came back with
+expected values that never enter the sandbox, on the host and type-strictly; "unchanged" pins files by hash
+without following links. No verdict is computed in a process that ran the agent's code.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Domain = Literal["code", "math", "reasoning"]
 
@@ -29,14 +31,26 @@ def content_hash(obj: Any) -> str:
 class Check(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["answer", "python", "pytest", "unchanged"]
+    kind: Literal["answer", "python", "calls", "unchanged"]
     name: str
     expected: str | None = None  # answer
     normalize: Literal["exact", "strip", "number", "casefold"] = "strip"
     code: str | None = None  # python: prints one JSON object {"pass": bool, "detail": str} as its last line
-    files: dict[str, str] = Field(default_factory=dict)  # pytest: hidden test files
-    expect_passed: int = 0  # pytest: exactly this many tests must pass (none fail, none skipped away)
+    # calls: {"module": "pkg.mathx", "fn": "clamp", "args": [5, 0, 10]} each; only these enter the sandbox
+    calls: list[dict[str, Any]] = Field(default_factory=list)
+    returns: list[Any] = Field(default_factory=list)  # calls: the expected return values (host side only)
     hashes: dict[str, str] = Field(default_factory=dict)  # unchanged: path -> sha256 of content
+
+    @model_validator(mode="after")
+    def _complete(self) -> Check:
+        if self.kind == "calls":
+            if not self.calls or len(self.calls) != len(self.returns):
+                raise ValueError(f"check {self.name!r}: 'calls' needs one expected value in 'returns' per call "
+                                 f"(got {len(self.calls)} calls, {len(self.returns)} returns)")
+            for c in self.calls:
+                if set(c) != {"module", "fn", "args"} or not isinstance(c["args"], list):
+                    raise ValueError(f"check {self.name!r}: a call is {{module, fn, args: list}}, got {c}")
+        return self
 
 
 class Verifier(BaseModel):

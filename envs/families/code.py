@@ -1,4 +1,4 @@
-"""Code families: set constants (tiny), fix bugs so hidden pytest tests pass, and an ML-infra task
+"""Code families: set constants (tiny), fix bugs so the hidden calls return the right values, and an ML-infra task
 (find the slow data-pipeline stage in a profile, patch the config, the verifier re-runs the model)."""
 
 from __future__ import annotations
@@ -68,52 +68,51 @@ class SetConst(Family):
 
 
 # ---- fix-bug -------------------------------------------------------------------------------------------
-# Each function: module, source, (buggy line, fixed line), symptom, visible test, hidden tests.
+# Each function: module, source, (buggy line, fixed line), symptom, visible tests (pytest, the agent sees and runs
+# them), hidden calls ((args, expected return value), compared on the host, type-strictly: 3.0 is not 3).
 FUNCS = {
     "clamp": ("mathx", "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n",
               ("    return max(lo, min(x, lo))", "    return max(lo, min(x, hi))"),
               "clamp(5, 0, 10) should be 5",
               ["assert clamp(5, 0, 10) == 5"],
-              ["assert clamp(5, 0, 10) == 5", "assert clamp(-3, 0, 10) == 0", "assert clamp(42, 0, 10) == 10"]),
+              [((5, 0, 10), 5), ((-3, 0, 10), 0), ((42, 0, 10), 10)]),
     "mean": ("mathx", "def mean(xs):\n    return sum(xs) / len(xs)\n",
              ("    return sum(xs) / (len(xs) - 1)", "    return sum(xs) / len(xs)"),
              "mean([2, 4]) should be 3",
              ["assert mean([2, 4]) == 3"],
-             ["assert mean([2, 4]) == 3", "assert mean([5]) == 5", "assert mean([1, 2, 3, 6]) == 3"]),
+             [(([2, 4],), 3.0), (([5],), 5.0), (([1, 2, 3, 6],), 3.0)]),
     "is_leap": ("mathx", "def is_leap(y):\n    return y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)\n",
                 ("    return y % 4 == 0 and y % 100 != 0", "    return y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)"),
                 "is_leap(2000) should be True",
                 ["assert is_leap(2000)"],
-                ["assert is_leap(2000)", "assert not is_leap(1900)", "assert is_leap(2024)", "assert not is_leap(2023)"]),
+                [((2000,), True), ((1900,), False), ((2024,), True), ((2023,), False)]),
     "fib": ("mathx", "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
             ("    for _ in range(n - 1):", "    for _ in range(n):"),
             "fib(10) should be 55",
             ["assert fib(10) == 55"],
-            ["assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55"]),
+            [((0,), 0), ((1,), 1), ((10,), 55)]),
     "slugify": ("textx", "def slugify(s):\n    return '-'.join(s.lower().split())\n",
                 ("    return '_'.join(s.lower().split())", "    return '-'.join(s.lower().split())"),
                 "slugify('Hello World') should be 'hello-world'",
                 ["assert slugify('Hello World') == 'hello-world'"],
-                ["assert slugify('Hello World') == 'hello-world'", "assert slugify('  A  b ') == 'a-b'",
-                 "assert slugify('x') == 'x'"]),
+                [(("Hello World",), "hello-world"), (("  A  b ",), "a-b"), (("x",), "x")]),
     "word_count": ("textx", "def word_count(text):\n    return len(text.split())\n",
                    ("    return len(text.split(' '))", "    return len(text.split())"),
                    "word_count('a  b') should be 2",
                    ["assert word_count('a  b') == 2"],
-                   ["assert word_count('a  b') == 2", "assert word_count('') == 0", "assert word_count('one') == 1"]),
+                   [(("a  b",), 2), (("",), 0), (("one",), 1)]),
     "chunk": ("listx", "def chunk(xs, n):\n    return [xs[i:i + n] for i in range(0, len(xs), n)]\n",
               ("    return [xs[i:i + n] for i in range(0, len(xs) - n, n)]",
                "    return [xs[i:i + n] for i in range(0, len(xs), n)]"),
               "chunk([1, 2, 3], 2) should be [[1, 2], [3]]",
               ["assert chunk([1, 2, 3], 2) == [[1, 2], [3]]"],
-              ["assert chunk([1, 2, 3], 2) == [[1, 2], [3]]", "assert chunk([], 3) == []",
-               "assert chunk([1, 2], 2) == [[1, 2]]"]),
+              [(([1, 2, 3], 2), [[1, 2], [3]]), (([], 3), []), (([1, 2], 2), [[1, 2]])]),
     "dedupe": ("listx", "def dedupe(xs):\n    seen = []\n    for x in xs:\n        if x not in seen:\n"
                         "            seen.append(x)\n    return seen\n",
                ("        if x in seen:", "        if x not in seen:"),
                "dedupe([1, 1, 2]) should be [1, 2]",
                ["assert dedupe([1, 1, 2]) == [1, 2]"],
-               ["assert dedupe([1, 1, 2]) == [1, 2]", "assert dedupe([]) == []", "assert dedupe([3, 2, 3]) == [3, 2]"]),
+               [(([1, 1, 2],), [1, 2]), (([],), []), (([3, 2, 3],), [3, 2])]),
 }
 
 
@@ -128,22 +127,20 @@ def _module_source(funcs: list[str], bugs: set[str]) -> str:
     return "\n\n".join(parts)
 
 
-def _tests(module_funcs: dict[str, list[str]], which: int, only: set[str] | None = None) -> dict[str, str]:
+def _tests(module_funcs: dict[str, list[str]]) -> dict[str, str]:
+    """The visible pytest files, one per module."""
     out = {}
-    for mod, funcs in module_funcs.items():
-        fs = [f for f in funcs if only is None or f in only]
-        if not fs:
-            continue
+    for mod, fs in module_funcs.items():
         body = [f"from pkg.{mod} import {', '.join(fs)}\n"]
         for f in fs:
-            for i, line in enumerate(FUNCS[f][which]):
+            for i, line in enumerate(FUNCS[f][4]):
                 body.append(f"\ndef test_{f}_{i}():\n    {line}\n")
         out[f"test_{mod}.py"] = "".join(body)
     return out
 
 
 class FixBug(Family):
-    """A small package with injected bugs; fix them so the hidden pytest suite passes."""
+    """A small package with injected bugs; fix them so hidden calls of its functions return the right values."""
 
     name, domain, tiny = "fix-bug", "code", False
     tools = ("ls", "read", "replace", "write", "pytest", "python")
@@ -163,17 +160,21 @@ class FixBug(Family):
         files = {"pkg/__init__.py": ""}
         for mod, fs in by_mod.items():
             files[f"pkg/{mod}.py"] = _module_source(fs, bugs)
-        files.update({f"tests/{k}": v for k, v in _tests(by_mod, 4).items()})
+        files.update({f"tests/{k}": v for k, v in _tests(by_mod).items()})
         symptoms = "; ".join(FUNCS[f][3] for f in sorted(bugs))
         instr = (f"Tests of the package in pkg/ fail: {symptoms}. Fix the code in pkg/ so that all tests pass "
                  "(there are more tests than the ones in tests/). Do not edit the tests.")
         return Sampled(instr, files, {"functions": by_mod, "bugs": sorted(bugs)})
 
     def build_verifier(self, task: PublicTask, hidden: dict[str, Any]) -> Verifier:
-        hidden_tests = _tests(hidden["functions"], 5)
-        n = sum(len(FUNCS[f][5]) for fs in hidden["functions"].values() for f in fs)
+        calls, returns = [], []
+        for mod, fs in sorted(hidden["functions"].items()):
+            for f in fs:
+                for args, want in FUNCS[f][5]:
+                    calls.append({"module": f"pkg.{mod}", "fn": f, "args": list(args)})
+                    returns.append(want)
         visible = {p: _sha(c) for p, c in task.files.items() if p.startswith("tests/")}
-        return Verifier(checks=[Check(kind="pytest", name="hidden tests", files=hidden_tests, expect_passed=n),
+        return Verifier(checks=[Check(kind="calls", name="hidden calls", calls=calls, returns=returns),
                                 Check(kind="unchanged", name="tests untouched", hashes=visible)])
 
     def solve(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
