@@ -123,6 +123,7 @@ class Environment:
         self.spec, self.sandbox = spec, sandbox
         self.limits = limits or sandbox.limits
         self._tmp = Path(tempfile.mkdtemp(prefix=f"temper-{spec.family}-", dir=workdir))
+        self._tmp.chmod(0o711)  # the sandbox runs as an unprivileged user: it may pass through, not list
         self.workspace = self._tmp / "work"
         self.turns = 0
         self.answer: str | None = None
@@ -233,6 +234,7 @@ class Environment:
             return CheckResult(c.name, not bad, f"modified, replaced or not a regular file: {bad}" if bad else "unchanged")
         # python / calls: run on a private copy of the final workspace, in the sandbox
         vdir = Path(tempfile.mkdtemp(prefix="verify-", dir=self._tmp))
+        vdir.chmod(0o711)
         try:
             work = vdir / "work"
             try:

@@ -3,11 +3,12 @@
 `Sandbox.run(argv, workspace)` runs one command with the workspace mounted read-write at /work and
 returns a `RunResult` (exit code, truncated stdout/stderr, timed_out, wall seconds). Backends:
 
-* `bwrap` (default): bubblewrap with a read-only root built from /usr, /etc and the Python prefix,
-  private /tmp, no network (own net namespace, loopback down), own PID/IPC/UTS/user namespaces,
-  `--die-with-parent`; rlimits on CPU seconds, address space, file size and processes; per-run cgroup
-  `pids.max` (and memory limit) when the pids controller is writable, since RLIMIT_NPROC does not bind
-  root; a wall-clock timeout that kills the whole process group; stdout/stderr capped.
+* `bwrap` (default): bubblewrap, run as an unprivileged host user when temper is root (never host uid 0
+  inside), with a read-only root built from /usr, a few /etc files and the Python prefix, a sized private
+  /tmp, no network (own net namespace, loopback down), own PID/IPC/UTS/user namespaces and no user
+  namespaces inside (`--disable-userns`), `--die-with-parent`; hard rlimits on CPU seconds, address space and
+  file size; a per-run cgroup with `pids.max`, a memory limit and a CPU quota when the controllers are
+  writable; a wall-clock timeout that kills the whole process group; stdout/stderr capped.
 * `docker`: the python `docker` SDK, network disabled, memory / pids / CPU limits, when an engine
   answers.
 * `unsafe-subprocess`: a plain subprocess with the same rlimits and timeout but NO isolation. Only
@@ -55,6 +56,13 @@ class Limits:
     file_size_bytes: int = 16 << 20
     wall_seconds: float = 20.0
     output_bytes: int = 64 << 10
+    cpu_quota: float = 1.0  # cores (cgroup cpu controller); CPU seconds alone let a run take every core
+    tmp_bytes: int = 64 << 20  # the sandbox's private /tmp (a sized tmpfs)
+
+
+SANDBOX_UID = 65534  # the unprivileged host user (nobody) that bwrap runs as when temper runs as root
+# /etc entries the interpreter and the tools need (all of /etc once exposed /etc/shadow)
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "mime.types")
 
 
 @dataclass
@@ -92,8 +100,11 @@ class _Cgroup:
 
     def __init__(self, limits: Limits):
         self.paths: list[Path] = []
+        self.cpu = False
         name = f"temper-{uuid.uuid4().hex[:12]}"
         v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        period = 100_000
+        quota = max(1000, int(limits.cpu_quota * period))
         try:
             if Path("/sys/fs/cgroup/pids").is_dir():
                 p = Path("/sys/fs/cgroup/pids") / name
@@ -106,12 +117,23 @@ class _Cgroup:
                     m.mkdir()
                     (m / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
                     self.paths.append(m)
+                cpu = Path("/sys/fs/cgroup/cpu")
+                if (cpu / "cpu.cfs_quota_us").exists():
+                    c = cpu / name
+                    c.mkdir()
+                    (c / "cpu.cfs_period_us").write_text(str(period))
+                    (c / "cpu.cfs_quota_us").write_text(str(quota))
+                    self.paths.append(c)
+                    self.cpu = True
             elif v2.exists() and "pids" in v2.read_text():
                 p = Path("/sys/fs/cgroup") / name
                 p.mkdir()
                 (p / "pids.max").write_text(str(limits.max_processes))
                 if "memory" in v2.read_text():
                     (p / "memory.max").write_text(str(limits.memory_bytes))
+                if "cpu" in v2.read_text().split():
+                    (p / "cpu.max").write_text(f"{quota} {period}")
+                    self.cpu = True
                 self.paths.append(p)
         except OSError:
             self.close()
@@ -147,7 +169,7 @@ class Sandbox(ABC):
 
     # -- subclass hooks --
     @abstractmethod
-    def wrap(self, argv: list[str], workspace: Path, extra_ro: dict[str, Path]) -> list[str]:
+    def wrap(self, argv: list[str], workspace: Path, extra_ro: dict[str, Path], limits: Limits | None = None) -> list[str]:
         """The host command line that runs `argv` inside this sandbox."""
 
     def python(self) -> str:
@@ -181,22 +203,32 @@ class Sandbox(ABC):
     ) -> RunResult:
         lim = limits or self.limits
         workspace = Path(workspace)
-        cmd = self.wrap(argv, workspace, extra_ro or {})
+        cmd = self.wrap(argv, workspace, extra_ro or {}, lim)
         cg = _Cgroup(lim) if self.uses_cgroup() else None
+
+        drop = self.run_as()
+        per_run_pids = cg is not None and cg.active
+        if drop is not None and not all(os.stat(d).st_mode & 0o001 for d in (workspace, *workspace.parents)):
+            if cg is not None:
+                cg.close()
+            return RunResult(127, "", f"sandbox failed to start: the workspace {workspace} is not reachable for "
+                                      f"the sandbox user (uid {drop}): a directory on its path is not searchable")
 
         def pre():
             os.setsid()
-            for res, val in (
-                (resource.RLIMIT_CPU, lim.cpu_seconds),
-                (resource.RLIMIT_AS, lim.memory_bytes),
-                (resource.RLIMIT_FSIZE, lim.file_size_bytes),
-                (resource.RLIMIT_NPROC, lim.max_processes),
-                (resource.RLIMIT_CORE, 0),
-            ):
+            rl = [(resource.RLIMIT_CPU, lim.cpu_seconds), (resource.RLIMIT_AS, lim.memory_bytes),
+                  (resource.RLIMIT_FSIZE, lim.file_size_bytes), (resource.RLIMIT_CORE, 0)]
+            if not (per_run_pids and drop is not None):  # with a shared sandbox uid, RLIMIT_NPROC would count
+                rl.append((resource.RLIMIT_NPROC, lim.max_processes))  # every run's processes: the cgroup does it
+            for res, val in rl:
                 with contextlib.suppress(ValueError, OSError):
-                    resource.setrlimit(res, (val, val))
+                    resource.setrlimit(res, (val, val))  # hard limits: an unprivileged process cannot raise them
             if cg is not None and cg.active:
                 cg.attach_self()
+            if drop is not None:  # last: the cgroup and limits above need root
+                os.setgroups([])
+                os.setgid(drop)
+                os.setuid(drop)
 
         run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
@@ -246,6 +278,10 @@ class Sandbox(ABC):
     def uses_cgroup(self) -> bool:
         return False
 
+    def run_as(self) -> int | None:
+        """The host uid the sandbox process runs as (None: temper's own)."""
+        return None
+
     def host_cwd(self, workspace: Path) -> str | None:
         return None
 
@@ -264,45 +300,86 @@ class _MountedLayout:
 
 
 class BwrapSandbox(_MountedLayout, Sandbox):
+    """bubblewrap, never as host root. When temper runs as root, bwrap itself runs as the unprivileged SANDBOX_UID
+    (its user namespace maps the sandbox's uid to that host uid, not to 0); the process inside cannot create user
+    namespaces (`--disable-userns`), so it cannot mount a cgroup of its own or lift its limits; only the /etc
+    files the interpreter needs are bound; /tmp is a sized tmpfs; CPU, memory and process limits sit in a per-run
+    cgroup outside its namespaces, owned by root."""
+
     name = "bwrap"
 
-    def __init__(self, limits: Limits | None = None, bwrap: str | None = None):
+    def __init__(self, limits: Limits | None = None, bwrap: str | None = None, uid: int = SANDBOX_UID):
         super().__init__(limits)
         self.bwrap = bwrap or shutil.which("bwrap")
         if not self.bwrap:
             raise SandboxUnavailable("bubblewrap (bwrap) not found: apt-get install bubblewrap")
         self._root = os.geteuid() == 0
-        self.prefix = sys.base_prefix
+        self.uid = uid if self._root else None
+        self.prefix = self._interpreter_prefix()
+
+    def _interpreter_prefix(self) -> str:
+        """A Python prefix the sandbox user can reach: this interpreter's, or else the system's of the same
+        version (pyenv installs under /root, which only root may enter)."""
+        if self.uid is None or _reachable(Path(sys.base_prefix) / "bin" / "python3"):
+            return sys.base_prefix
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        if Path(f"/usr/bin/{ver}").exists():
+            return "/usr"
+        raise SandboxUnavailable(f"the interpreter under {sys.base_prefix} is not reachable for the sandbox user "
+                                 f"(uid {self.uid}), and there is no /usr/bin/{ver}: apt-get install {ver}, or make "
+                                 f"{sys.base_prefix} world-traversable")
 
     def python(self) -> str:
-        return str(Path(self.prefix) / "bin" / "python3")
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        return f"/usr/bin/{ver}" if self.prefix == "/usr" else str(Path(self.prefix) / "bin" / "python3")
 
     def uses_cgroup(self) -> bool:
-        return self._root  # RLIMIT_NPROC does not bind root: use the pids controller
+        return self._root  # RLIMIT_NPROC is per host uid (shared by every run): use the pids controller
+
+    def run_as(self) -> int | None:
+        return self.uid
 
     def info(self) -> dict:
         probe = _Cgroup(Limits()) if self._root else None
         enforced = (not self._root) or bool(probe and probe.active)
+        cpu = bool(probe and probe.cpu)
         if probe:
             probe.close()
-        return {"backend": self.name, "bwrap": self.bwrap, "process_limit_enforced": enforced}
+        return {"backend": self.name, "bwrap": self.bwrap, "process_limit_enforced": enforced, "cpu_quota": cpu,
+                "host_uid": self.uid if self.uid is not None else os.geteuid(), "python": self.python()}
 
-    def wrap(self, argv, workspace, extra_ro):
+    def wrap(self, argv, workspace, extra_ro, limits=None):
         a = [self.bwrap, "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             if Path("/" + link).is_symlink():
                 a += ["--symlink", os.readlink("/" + link), "/" + link]
             elif Path("/" + link).is_dir():
                 a += ["--ro-bind", "/" + link, "/" + link]
-        a += ["--ro-bind", "/etc", "/etc", "--ro-bind", self.prefix, self.prefix]
+        for f in ETC_FILES:
+            if Path("/etc", f).exists():
+                a += ["--ro-bind", f"/etc/{f}", f"/etc/{f}"]
+        if self.prefix != "/usr":
+            a += ["--ro-bind", self.prefix, self.prefix]
         a += ["--ro-bind", str(TOOLS_DIR), SANDBOX_TOOLS]
         a += ["--ro-bind", sysconfig.get_paths()["purelib"], SANDBOX_SITE]
         for dest, src in extra_ro.items():
             a += ["--ro-bind", str(src), dest]
-        a += ["--bind", str(workspace), "/work", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
-              "--unshare-all", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
-              "--die-with-parent", "--chdir", "/work", "--"]
+        a += ["--bind", str(workspace), "/work", "--size", str((limits or self.limits).tmp_bytes), "--tmpfs", "/tmp",
+              "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--unshare-all", "--unshare-user", "--disable-userns",
+              "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
+              "--die-with-parent", "--new-session", "--chdir", "/work", "--"]
         return a + argv
+
+
+def _reachable(path: Path) -> bool:
+    """Whether any user may reach `path`: every directory above it searchable by others, the file readable."""
+    try:
+        for d in path.parents:
+            if not os.stat(d).st_mode & 0o001:
+                return False
+        return bool(os.stat(path).st_mode & 0o004)
+    except OSError:
+        return False
 
 
 class DockerSandbox(_MountedLayout, Sandbox):
@@ -310,7 +387,7 @@ class DockerSandbox(_MountedLayout, Sandbox):
 
     name = "docker"
 
-    def wrap(self, argv, workspace, extra_ro):
+    def wrap(self, argv, workspace, extra_ro, limits=None):
         return argv  # unused: run() talks to the engine directly
 
     def __init__(self, limits: Limits | None = None, image: str = "python:3.11-slim"):
@@ -371,7 +448,7 @@ class UnsafeSubprocess(Sandbox):
         super().__init__(limits)
         log.warning("temper: running agent code WITHOUT a sandbox (unsafe-subprocess backend)")
 
-    def wrap(self, argv, workspace, extra_ro):
+    def wrap(self, argv, workspace, extra_ro, limits=None):
         return argv
 
     def host_cwd(self, workspace: Path) -> str | None:

@@ -139,3 +139,75 @@ def test_no_sandbox_available_is_a_clear_error(monkeypatch):
     assert "apt-get install bubblewrap" in msg and "Docker" in msg and sbmod.UNSAFE_ENV in msg
     with pytest.raises(ValueError, match="sandbox kind"):
         make_sandbox("chroot")
+
+
+# ---- the boundary: one test per claimed limit, each an honest attempt to break it --------------------------
+def test_never_host_root_inside(sandbox, tmp_path):
+    """Files the sandbox writes belong to an unprivileged host user, and the process inside is not uid 0."""
+    tmp_path.chmod(0o777)
+    r = py(sandbox, "import os\nopen('mine', 'w').write('x')\nprint(os.getuid(), os.geteuid())", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["65534", "65534"]
+    owner = (tmp_path / "mine").stat().st_uid
+    assert owner != 0 and (os.geteuid() != 0 or owner == sandbox.info()["host_uid"] == 65534)
+
+
+def test_only_the_needed_etc_files_are_visible(sandbox, tmp_path):
+    r = py(sandbox, "import os\nprint(sorted(os.listdir('/etc')))\n"
+                    "for p in ['/etc/shadow', '/etc/passwd', '/etc/gshadow', '/root']:\n"
+                    "    try:\n        open(p).read(); print('READ', p)\n"
+                    "    except OSError as e:\n        print('denied', p, type(e).__name__)", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "READ" not in r.stdout
+    listed = eval(r.stdout.splitlines()[0])  # noqa: S307 - our own print of a list of names
+    assert "shadow" not in listed and set(listed) <= {"ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
+                                                      "nsswitch.conf", "mime.types"}
+
+
+def test_no_user_namespaces_inside(sandbox, tmp_path):
+    """A user namespace once let code inside mount its own cgroup and lift its limits: creating one is refused."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for name, flag in [('user', 0x10000000), ('mount', 0x00020000), ('user+mount', 0x10020000)]:\n"
+            "    rc = libc.unshare(flag)\n"
+            "    print(name, rc, os.strerror(ctypes.get_errno()) if rc else 'CREATED')")
+    r = py(sandbox, code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "CREATED" not in r.stdout and len(r.stdout.splitlines()) == 3
+
+
+def test_limits_cannot_be_lifted_from_inside(sandbox, tmp_path):
+    code = ("import resource\n"
+            "for name in ['RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE']:\n"
+            "    res = getattr(resource, name)\n    soft, hard = resource.getrlimit(res)\n"
+            "    try:\n        resource.setrlimit(res, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)); print('LIFTED', name)\n"
+            "    except (ValueError, OSError) as e:\n        print('kept', name, hard)\n"
+            "import os\nprint('cgroupfs', os.path.exists('/sys/fs/cgroup'))\n"
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nos.makedirs('/tmp/cg', exist_ok=True)\n"
+            "print('mount', libc.mount(b'none', b'/tmp/cg', b'cgroup2', 0, None))")
+    r = py(sandbox, code, tmp_path, limits=Limits(memory_bytes=512 << 20))
+    assert r.returncode == 0, r.stderr
+    assert "LIFTED" not in r.stdout and r.stdout.count("kept") == 3
+    assert "cgroupfs False" in r.stdout and "mount -1" in r.stdout
+
+
+def test_cpu_quota_holds_with_many_busy_processes(sandbox, tmp_path):
+    """Four processes spin for 1.5 s of wall time under a quota of half a core: together they get at most
+    about half of that in CPU time. (A busier machine only lowers it: the bound cannot fail by load.)"""
+    assert sandbox.info()["cpu_quota"], "the cgroup cpu controller is not writable: no CPU quota here"
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        t = time.monotonic()\n        while time.monotonic() - t < 1.5:\n            pass\n        os._exit(0)\n"
+            "    kids.append(pid)\nt0 = time.monotonic()\nfor p in kids:\n    os.waitpid(p, 0)\n"
+            "wall = time.monotonic() - t0\nt = os.times()\nprint(t.children_user + t.children_system, wall)")
+    r = py(sandbox, code, tmp_path, limits=Limits(cpu_quota=0.5, wall_seconds=30, cpu_seconds=30))
+    assert r.returncode == 0, r.stderr
+    cpu, wall = map(float, r.stdout.split())
+    assert cpu <= 0.5 * wall + 0.25, (cpu, wall)
+
+
+def test_private_tmp_has_a_size(sandbox, tmp_path):
+    r = py(sandbox, "n = 0\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        for _ in range(64):\n"
+                    "            f.write(b'x' * (1 << 20)); f.flush(); n += 1\nexcept OSError as e:\n"
+                    "    print('full', type(e).__name__)\nprint(n)", tmp_path,
+           limits=Limits(tmp_bytes=8 << 20, file_size_bytes=1 << 30))
+    assert r.returncode == 0, r.stderr
+    assert "full" in r.stdout and int(r.stdout.split()[-1]) <= 8
