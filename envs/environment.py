@@ -125,6 +125,7 @@ class Environment:
         self._tmp = Path(tempfile.mkdtemp(prefix=f"temper-{spec.family}-", dir=workdir))
         self._tmp.chmod(0o711)  # the sandbox runs as an unprivileged user: it may pass through, not list
         self.workspace = self._tmp / "work"
+        self._quota = False  # whether the workspace is a size-limited mount (Sandbox.mount_quota)
         self.turns = 0
         self.answer: str | None = None
         self.done = False
@@ -132,8 +133,13 @@ class Environment:
 
     # ---- episode -----------------------------------------------------------------------------------
     def reset(self) -> str:
-        shutil.rmtree(self.workspace, ignore_errors=True)
-        self.workspace.mkdir(parents=True)
+        if self._quota:  # the workspace is its own size-limited filesystem: empty it, keep the mount
+            for p in self.workspace.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        else:
+            shutil.rmtree(self.workspace, ignore_errors=True)
+            self.workspace.mkdir(parents=True)
+            self._quota = self.sandbox.mount_quota(self.workspace, self.limits.workspace_bytes)
         for rel, content in self.spec.files.items():
             p = self.workspace / rel
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +288,9 @@ class Environment:
                                                + (f"; {'; '.join(wrong[:3])}" if wrong else ""))
 
     def close(self) -> None:
+        if self._quota:
+            self.sandbox.unmount_quota(self.workspace)
+            self._quota = False
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> Environment:

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import uuid
@@ -58,6 +59,7 @@ class Limits:
     output_bytes: int = 64 << 10
     cpu_quota: float = 1.0  # cores (cgroup cpu controller); CPU seconds alone let a run take every core
     tmp_bytes: int = 64 << 20  # the sandbox's private /tmp (a sized tmpfs)
+    workspace_bytes: int = 64 << 20  # an environment's workspace, all files together (a sized tmpfs, as root)
 
 
 SANDBOX_UID = 65534  # the unprivileged host user (nobody) that bwrap runs as when temper runs as root
@@ -282,6 +284,14 @@ class Sandbox(ABC):
         """The host uid the sandbox process runs as (None: temper's own)."""
         return None
 
+    def mount_quota(self, path: Path, size: int) -> bool:
+        """Make the empty directory `path` a filesystem of at most `size` bytes (a workspace's disk quota).
+        True when it did; the base sandbox cannot (see BwrapSandbox)."""
+        return False
+
+    def unmount_quota(self, path: Path) -> None:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
     def host_cwd(self, workspace: Path) -> str | None:
         return None
 
@@ -314,6 +324,7 @@ class BwrapSandbox(_MountedLayout, Sandbox):
         if not self.bwrap:
             raise SandboxUnavailable("bubblewrap (bwrap) not found: apt-get install bubblewrap")
         self._root = os.geteuid() == 0
+        self._no_mount = False
         self.uid = uid if self._root else None
         self.prefix = self._interpreter_prefix()
 
@@ -339,13 +350,33 @@ class BwrapSandbox(_MountedLayout, Sandbox):
     def run_as(self) -> int | None:
         return self.uid
 
+    def mount_quota(self, path: Path, size: int) -> bool:
+        """As root: a tmpfs of `size` bytes on `path`. Without root (or where mounting is refused) the workspace
+        has only the per-file RLIMIT_FSIZE, and `info()["workspace_quota"]` says so."""
+        if not self._root or self._no_mount:
+            return False
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)},mode=0777,nosuid,nodev", "tmpfs",
+                            str(path)], capture_output=True, check=False)
+        if r.returncode != 0:
+            self._no_mount = True
+            log.warning("no workspace disk quota: mounting a tmpfs failed (%s)", r.stderr.decode().strip())
+        return r.returncode == 0
+
     def info(self) -> dict:
         probe = _Cgroup(Limits()) if self._root else None
         enforced = (not self._root) or bool(probe and probe.active)
         cpu = bool(probe and probe.cpu)
         if probe:
             probe.close()
+        quota = False
+        if self._root:
+            d = Path(tempfile.mkdtemp(prefix="temper-quota-probe-"))
+            quota = self.mount_quota(d, 1 << 20)
+            if quota:
+                self.unmount_quota(d)
+            shutil.rmtree(d, ignore_errors=True)
         return {"backend": self.name, "bwrap": self.bwrap, "process_limit_enforced": enforced, "cpu_quota": cpu,
+                "workspace_quota": quota,
                 "host_uid": self.uid if self.uid is not None else os.geteuid(), "python": self.python()}
 
     def wrap(self, argv, workspace, extra_ro, limits=None):

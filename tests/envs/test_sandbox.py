@@ -211,3 +211,26 @@ def test_private_tmp_has_a_size(sandbox, tmp_path):
            limits=Limits(tmp_bytes=8 << 20, file_size_bytes=1 << 30))
     assert r.returncode == 0, r.stderr
     assert "full" in r.stdout and int(r.stdout.split()[-1]) <= 8
+
+
+def test_workspace_disk_quota(sandbox):
+    """The agent's workspace is a filesystem of `workspace_bytes`: writing past it fails inside, and the host
+    holds no more than that (256 MiB were once written in 0.2 s)."""
+    from envs import FAMILIES
+    from envs.environment import Environment
+
+    assert sandbox.info()["workspace_quota"], "mounting a sized tmpfs was refused: no workspace quota here"
+    spec = FAMILIES["fix-bug"].make(1)
+    lim = Limits(workspace_bytes=8 << 20, file_size_bytes=1 << 30)
+    with Environment(spec, sandbox, lim) as env:
+        env.reset()
+        code = ("n = 0\ntry:\n    for i in range(8):\n        with open(f'f{i}', 'wb') as f:\n"
+                "            for _ in range(8):\n                f.write(b'x' * (1 << 20)); f.flush(); n += 1\n"
+                "except OSError as e:\n    print('full', type(e).__name__)\nprint('MiB', n)")
+        from envs import Action
+        obs = env.step(Action("python", {"code": code}).render()).observation
+        used = sum(p.stat().st_size for p in env.workspace.rglob("*") if p.is_file())
+        assert "full OSError" in obs and used <= 8 << 20, obs
+        env.reset()  # a new episode starts empty, on the same quota
+        assert sorted(p.name for p in env.workspace.iterdir()) == sorted({f.split("/")[0] for f in spec.files})
+    assert not env.workspace.exists()
