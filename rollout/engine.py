@@ -87,6 +87,7 @@ class EngineStats:
     spec_verifies: int = 0
     spec_emitted: int = 0
     weight_updates: int = 0
+    aborted: int = 0  # requests ended by an abort (a client's, a disconnect, abort_all)
 
     @property
     def accept_length(self) -> float:
@@ -143,6 +144,12 @@ class Engine:
         bad = [t for t in req.input_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise EngineError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        bad = [t for t in req.params.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:  # checked here, not in the batched step, where one bad id once aborted every co-batched request
+            raise EngineError(f"sampling_params.stop_token_ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if req.params.min_new_tokens > req.params.max_new_tokens:
+            raise EngineError(f"sampling_params.min_new_tokens ({req.params.min_new_tokens}) exceeds max_new_tokens "
+                              f"({req.params.max_new_tokens})")
         if len(req.input_ids) + req.params.max_new_tokens > self.max_len:
             raise EngineError(
                 f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
@@ -246,6 +253,7 @@ class Engine:
             if r in self.running:
                 self._retire(r)
             self._finish(r, {"type": "abort", "matched": None})
+        self.stats.aborted += len(victims)
         return len(victims)
 
     def _flush(self) -> None:

@@ -26,7 +26,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=1)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # torch generators take 64 bits
     skip_special_tokens: bool = True
 
     @field_validator("stop", mode="before")

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
+import queue
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -91,7 +94,7 @@ class CompletionBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     n: int = Field(default=1, ge=1, le=1)
     session_id: str | None = None
 
@@ -116,7 +119,7 @@ class ChatBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     logprobs: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     n: int = Field(default=1, ge=1, le=1)
     session_id: str | None = None
 
@@ -136,9 +139,48 @@ def bad(msg: str, code: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "code": code}}, status_code=code)
 
 
+async def _json_object(request: Request) -> dict | JSONResponse:
+    """The request's JSON object, or a 400 saying why not (malformed JSON was once a 500)."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        return bad(f"malformed JSON: {e}")
+    if not isinstance(body, dict):
+        return bad("expected a JSON object")
+    return body
+
+
+async def _next_chunk(q: queue.Queue):
+    """The next streamed chunk, without holding a worker thread while waiting: a stream parked in
+    `asyncio.to_thread` once used up the default executor, and control endpoints waited behind it."""
+    while True:
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            await asyncio.sleep(0.005)
+
+
 def create_app(engine: Engine, model_path: str = "", served_name: str = "temper") -> FastAPI:
     app = FastAPI(title="temper engine", docs_url=None, redoc_url=None)
     tpl = ChatTemplate(engine.tok)
+    control = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")  # never shared with generation
+
+    async def in_control(fn, *a, **kw):
+        return await asyncio.get_running_loop().run_in_executor(control, functools.partial(fn, *a, **kw))
+
+    async def until_done(request: Request | None, reqs: list[GenRequest]) -> None:
+        """Wait for `reqs`; a client that goes away aborts them (its work does not outlive it)."""
+        futs = [asyncio.wrap_future(r.future) for r in reqs]
+        while True:
+            done, _ = await asyncio.wait(futs, timeout=0.1)
+            if len(done) == len(futs):
+                return
+            if request is not None and await request.is_disconnected():
+                for r in reqs:
+                    if not r.future.done():
+                        await in_control(engine.abort, r.rid)
+                await asyncio.gather(*futs, return_exceptions=True)
+                return
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
@@ -186,7 +228,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     # ---- native ----------------------------------------------------------------------------------
     @app.post("/generate")
-    async def generate(body: GenerateBody):
+    async def generate(body: GenerateBody, request: Request):
         try:
             on = [f for f in UNSUPPORTED_FLAGS if getattr(body, f)]
             if on:
@@ -211,11 +253,16 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             for r in reqs:
                 engine.submit(r)
         except QueueFull as e:
+            for r in reqs:
+                await in_control(engine.abort, r.rid)  # a batch is all or nothing
             return bad(str(e), 503)
         except EngineError as e:
             return bad(str(e))
-        done = [await asyncio.wrap_future(r.future) for r in reqs]
-        out = [{"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in done]
+        await until_done(request, reqs)
+        failed = [r for r in reqs if (r.finish or {}).get("error")]
+        if failed:  # the engine failed (not the request): say so, never a 200 with a silent abort
+            return bad(f"engine error: {failed[0].finish['error']}", 500)
+        out = [{"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)} for r in reqs]
         return out if batch else out[0]
 
     async def stream_native(r: GenRequest):
@@ -224,22 +271,27 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         except (QueueFull, EngineError) as e:
             yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
             return
-        while True:
-            kind, *_ = await asyncio.to_thread(r.chunks.get)
-            payload = {"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)}
-            yield f"data: {json.dumps(payload)}\n\n"
-            if kind == "finish":
-                break
-        yield "data: [DONE]\n\n"
+        try:
+            while True:
+                kind, *_ = await _next_chunk(r.chunks)
+                payload = {"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)}
+                yield f"data: {json.dumps(payload)}\n\n"
+                if kind == "finish":
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream: stop generating for it (not awaited: this task is cancelled)
+            if not r.future.done():
+                control.submit(engine.abort, r.rid)
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDisk):
         try:
             v = int(body.weight_version) if body.weight_version is not None else None
-            res = await asyncio.to_thread(engine.update_weights, path=body.model_path, version=v,
-                                          flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
-        except (EngineError, FileNotFoundError, ValueError, KeyError) as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+            res = await in_control(engine.update_weights, path=body.model_path, version=v,
+                                   flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
+        except Exception as e:  # noqa: BLE001 - a missing, corrupt or mismatched checkpoint: the old weights stay
+            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}", "num_paused_requests": 0},
+                                status_code=400)
         return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"]}
 
     @app.post("/update_weights_from_tensor")
@@ -249,16 +301,18 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         try:
             sd = st_load(base64.b64decode(body.serialized_named_tensors))
             v = int(body.weight_version) if body.weight_version is not None else None
-            res = await asyncio.to_thread(engine.update_weights, state_dict=sd, version=v,
-                                          flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
+            res = await in_control(engine.update_weights, state_dict=sd, version=v,
+                                   flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
         except Exception as e:  # noqa: BLE001 - bad payloads are the caller's error
             return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"}, status_code=400)
         return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"]}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
-        body = await request.json()
-        if not isinstance(body, dict) or "new_version" not in body:
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if "new_version" not in body:
             return bad("expected {\"new_version\": ...}")
         try:
             engine.version = int(body["new_version"])
@@ -278,18 +332,18 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush():
-        await asyncio.to_thread(engine.flush_cache)
+        await in_control(engine.flush_cache)
         return {"success": True, "message": "cache flushed"}
 
     @app.post("/abort_request")
     async def abort(request: Request):
-        body = await request.json()
-        if not isinstance(body, dict):
-            return bad("expected a JSON object")
+        body = await _json_object(request)
+        if isinstance(body, JSONResponse):
+            return body
         unknown = set(body) - {"rid", "abort_all"}
         if unknown:
             return bad(f"unknown field `{sorted(unknown)[0]}`, expected one of rid, abort_all")
-        n = await asyncio.to_thread(engine.abort, None if body.get("abort_all") else body.get("rid"))
+        n = await in_control(engine.abort, None if body.get("abort_all") else body.get("rid"))
         return {"success": True, "aborted": n}
 
     @app.get("/health")
@@ -335,7 +389,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     # ---- OpenAI ------------------------------------------------------------------------------------
     def finish_reason(r: GenRequest) -> str:
-        return "length" if (r.finish or {}).get("type") == "length" else "stop"
+        kind = (r.finish or {}).get("type")
+        return kind if kind in ("length", "abort") else "stop"
 
     def submit_openai(req: GenRequest, cid: str, obj: str, chat: bool):
         """Submit; returns the response to send now (an error, or the event stream) or None to wait."""
@@ -350,7 +405,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         return None
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         ids = engine.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         sp = SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -360,7 +415,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         early = submit_openai(req, cid, "text_completion", chat=False)
         if early is not None:
             return early
-        r = await asyncio.wrap_future(req.future)
+        await until_done(request, [req])
+        if (req.finish or {}).get("error"):
+            return bad(f"engine error: {req.finish['error']}", 500)
+        r = req
         choice = {"index": 0, "text": text_of(r), "finish_reason": finish_reason(r), "logprobs": None}
         if body.logprobs:
             choice["logprobs"] = {"tokens": [engine.tok.decode([t]) for t in r.output_ids],
@@ -373,7 +431,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                 "total_tokens": len(r.input_ids) + len(r.output_ids)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(body: ChatBody, request: Request):
         try:
             ids = tpl.render([m.model_dump() for m in body.messages], add_generation_prompt=True).ids
         except ValueError as e:
@@ -387,7 +445,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         early = submit_openai(req, cid, "chat.completion.chunk", chat=True)
         if early is not None:
             return early
-        r = await asyncio.wrap_future(req.future)
+        await until_done(request, [req])
+        if (req.finish or {}).get("error"):
+            return bad(f"engine error: {req.finish['error']}", 500)
+        r = req
         msg = {"role": "assistant", "content": text_of(r)}
         choice = {"index": 0, "message": msg, "finish_reason": finish_reason(r)}
         if body.logprobs:
@@ -399,23 +460,27 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     async def stream_openai(r: GenRequest, cid: str, obj: str, chat: bool):
         sent = ""
         first = True
-        while True:
-            kind, *_ = await asyncio.to_thread(r.chunks.get)
-            text = text_of(r)
-            delta, sent = text[len(sent):], text
-            fin = finish_reason(r) if kind == "finish" else None
-            if chat:
-                d = {"content": delta}
-                if first:
-                    d["role"] = "assistant"
-                choice = {"index": 0, "delta": d, "finish_reason": fin}
-            else:
-                choice = {"index": 0, "text": delta, "finish_reason": fin}
-            first = False
-            yield f"data: {json.dumps({'id': cid, 'object': obj, 'model': served_name, 'choices': [choice]})}\n\n"
-            if kind == "finish":
-                break
-        yield "data: [DONE]\n\n"
+        try:
+            while True:
+                kind, *_ = await _next_chunk(r.chunks)
+                text = text_of(r)
+                delta, sent = text[len(sent):], text
+                fin = finish_reason(r) if kind == "finish" else None
+                if chat:
+                    d = {"content": delta}
+                    if first:
+                        d["role"] = "assistant"
+                    choice = {"index": 0, "delta": d, "finish_reason": fin}
+                else:
+                    choice = {"index": 0, "text": delta, "finish_reason": fin}
+                first = False
+                yield f"data: {json.dumps({'id': cid, 'object': obj, 'model': served_name, 'choices': [choice]})}\n\n"
+                if kind == "finish":
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream: stop generating for it (not awaited: this task is cancelled)
+            if not r.future.done():
+                control.submit(engine.abort, r.rid)
 
     app.state.engine = engine
     return app
