@@ -54,11 +54,30 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     d[keys[-1]] = value
 
 
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names of the config section that holds `loc`'s last key (for "did you mean")."""
+    from pydantic import BaseModel
+
+    model: type[BaseModel] = IterationConfig
+    for part in loc[:-1]:
+        f = model.model_fields.get(str(part))
+        if f is None or not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)):
+            return []
+        model = f.annotation
+    return list(model.model_fields)
+
+
 def _format(source: str, err: ValidationError) -> str:
+    import difflib
+
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            near = difflib.get_close_matches(str(e["loc"][-1]), _fields_at(e["loc"]), n=1, cutoff=0.6)
+            if near:
+                msg += f"; did you mean `{'.'.join([*map(str, e['loc'][:-1]), near[0]])}`?"
         lines.append(f"{loc}: {msg}" if loc else msg)
     return f"{source}: " + "; ".join(lines)
 

@@ -100,13 +100,30 @@ def cmd_run(args) -> int:
     warnings.filterwarnings("ignore", message=".*is currently in (preview|beta).*")
 
     con = Console()
+    import configs
+
+    try:  # a bad preset or override fails here, before any partition or run exists
+        configs.load(args.preset, args.override)
+    except configs.ConfigError as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 2
     root = Path.cwd()
     instance = _instance(root)
+    import dagster as dg
+
     from assets import ITERATIONS
     from pipelines.definitions import defs
 
     keys = [int(k) for k in instance.get_dynamic_partitions(ITERATIONS.name)]
-    it = str(args.iteration or max(keys, default=0) + 1)
+    done = {int(k) for k in instance.get_materialized_partitions(dg.AssetKey("evaluation"))}
+    latest = max(keys, default=0)
+    if args.iteration:
+        it = str(args.iteration)
+    elif latest and latest not in done:  # the last iteration failed: repair it instead of burning a new number
+        it = str(latest)
+        con.print(f"iteration {latest} did not finish: running it again (finished steps are kept)")
+    else:
+        it = str(latest + 1)
     if it not in map(str, keys):
         instance.add_dynamic_partitions(ITERATIONS.name, [it])
     run_root = Path(args.run_root)
@@ -124,12 +141,28 @@ def cmd_run(args) -> int:
     out = summary(run_dir, _step_seconds(res), wall, con)
     (run_dir / "summary.json").write_text(json.dumps({**out, "iteration": it, "success": res.success,
                                                       "run_id": res.run_id}, indent=1))
+    if not res.success:
+        _mark_failed(run_root, it)
+    again = (f"again: [bold]make run[/] (iteration {int(it) + 1} starts from this student)" if res.success else
+             f"again: [bold]make run[/] reruns iteration {it} from its last finished step")
     con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'}.\n"
               f"Next: [bold]make ui[/] → Dagster http://127.0.0.1:3000 (assets, lineage, this run) · "
               f"MLflow http://127.0.0.1:5000 (curves, the `temper-student` model and its champion alias).\n"
-              f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · "
-              f"again: [bold]make run[/] (iteration {int(it) + 1} starts from this student)")
+              f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · {again}")
     return 0 if res.success else 1
+
+
+def _mark_failed(run_root: Path, iteration: str) -> None:
+    """A failed iteration's MLflow runs say FAILED, not RUNNING forever."""
+    db = run_root / "mlflow.db"
+    if not db.exists():
+        return
+    from store.tracking import Tracker
+
+    tr = Tracker(f"sqlite:///{db.resolve()}")
+    for r in tr.client.search_runs([tr.experiment_id], f"tags.temper_iteration = '{iteration}' and "
+                                                        "attributes.status = 'RUNNING'"):
+        tr.finish(r.info.run_id, "FAILED")
 
 
 def add_parser(sub) -> None:

@@ -18,7 +18,7 @@ def dagster_home(root: Path) -> Path:
     """`runs/dagster_home` with the project's dagster.yaml: the instance both `make ui` and `temper run` use."""
     home = root / "runs" / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(root / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(Path(__file__).resolve().parents[1] / "dagster.yaml", home / "dagster.yaml")  # works from any cwd
     return home
 
 

@@ -136,3 +136,38 @@ def test_schedule_and_sensor_requests(instance):
     out = next_iteration_on_evaluation(dg.build_sensor_context(instance=instance))
     assert [r.partition_key for r in out.run_requests] == ["2"]
     assert out.dynamic_partitions_requests[0].partition_keys == ["2"]
+
+
+def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, monkeypatch, capsys):
+    """A bad override fails before any partition exists (with a did-you-mean); a failed iteration's MLflow runs
+    end FAILED, and the next `temper run` reruns that iteration instead of burning a new number."""
+    import argparse
+    import os
+
+    from pipelines.run_cli import cmd_run
+    from store.tracking import Tracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", os.environ.get("DAGSTER_HOME", ""))
+
+    def run(*overrides):
+        return cmd_run(argparse.Namespace(preset="micro", override=[*FAST, *overrides], iteration=None,
+                                          run_root=str(tmp_path / "runs" / "pipeline"), log_level="ERROR", servers=0))
+
+    def partitions():
+        return dg.DagsterInstance.get().get_dynamic_partitions(ITERATIONS.name)
+
+    assert run("loop.stepz=3") == 2
+    assert "did you mean `loop.steps`" in " ".join(capsys.readouterr().out.split())  # rich wraps lines
+    assert run("loop.steps=many") == 2
+    assert not (tmp_path / "runs" / "dagster_home").exists() or partitions() == []
+    assert run("envs.n_train=0") == 1  # the blocking triad check fails
+    assert partitions() == ["1"]
+    tr = Tracker(f"sqlite:///{tmp_path / 'runs' / 'pipeline' / 'mlflow.db'}")
+    runs = tr.client.search_runs([tr.experiment_id], "tags.temper_iteration = '1'")
+    assert runs and {r.info.status for r in runs} <= {"FAILED", "FINISHED"} and \
+        any(r.info.status == "FAILED" for r in runs)
+    capsys.readouterr()
+    assert run("envs.n_train=0") == 1
+    assert partitions() == ["1"]
+    assert "iteration 1 did not finish: running it again" in " ".join(capsys.readouterr().out.split())
