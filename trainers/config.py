@@ -74,9 +74,10 @@ class LoopConfig(BaseModel):
     n_slots: int = Field(default=8, gt=0)
     save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
     # what SAO does with the iteration's stored rollouts of the warm start (`rollout_batches`, one per RL env):
-    # "train": pre-train the critic on them, then take the first actor step on all of them at once (they are
-    # on-policy: the actor has not moved yet); "critic": only the critic; "off": ignore them
-    warm_rollouts: Literal["train", "critic", "off"] = "train"
+    # "critic": the value pre-training cycles through them a batch at a time (instead of fitting one fresh batch);
+    # "train": also the first actor step, on all of them at once (on-policy: the actor has not moved yet; one
+    # step as costly as len/batch_size steps); "off": ignore them
+    warm_rollouts: Literal["critic", "train", "off"] = "critic"
     seed: int = 0
 
 

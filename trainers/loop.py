@@ -51,8 +51,9 @@ class RLLoop:
         owns the rollout side (episodes, the batch queue, the weight pushes) and hands every batch to the other
         ranks; every rank trains on its share and all end each step with the same weights.
         `warm`: trajectories the actor's current weights already generated (the iteration's `rollout_batches`,
-        read back from the store). By `cfg.warm_rollouts` they pre-train the critic ("critic"), and are also the
-        first training batch, all at once ("train"), before any fresh rollout; "off" ignores them."""
+        read back from the store). By `cfg.warm_rollouts` they pre-train the critic ("critic": the value
+        pre-training's updates cycle through them a batch at a time), and are also the first training batch, all
+        at once ("train": one large, costly step), before any fresh rollout; "off" ignores them."""
         from .backends import TorchBackend
 
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
@@ -164,8 +165,9 @@ class RLLoop:
             if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and self.trainer.steps == 0:
                 # value pre-training before any actor update: on the warm rollouts, or on the first fresh batch
                 first = warm or self._collect()
-                self.trainer.value_pretrain(first)
-                self._consumed([(t, "value_pretrain") for t in first], None)
+                self.trainer.value_pretrain(first, batch_size=self.cfg.batch_size)  # each update costs one batch
+                fitted = self.trainer.pretrained_ids
+                self._consumed([(t, "value_pretrain") for t in first if t.trajectory_id in fitted], None)
             if self.cfg.warm_rollouts != "train":
                 warm = []
             for step in range(steps):

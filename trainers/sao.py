@@ -224,19 +224,28 @@ class SAOTrainer:
         self.copt.step()
         return total
 
-    def value_pretrain(self, trajs: list[Trajectory], steps: int | None = None) -> list[float]:
-        """Fit the critic to returns before RL starts (the actor is untouched)."""
+    def value_pretrain(self, trajs: list[Trajectory], steps: int | None = None,
+                       batch_size: int | None = None) -> list[float]:
+        """Fit the critic to returns before RL starts (the actor is untouched): `steps` updates (default
+        `value_pretrain_steps`). With `batch_size`, the trajectories are cut into batches of that size (in order)
+        and the updates cycle through them, so an update costs one batch whatever the number of trajectories."""
+        self.pretrained_ids: set[str] = set()
         if self.critic is None:
             return []
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
         if not trajs:
             return []
-        n_global = float(layout(trajs).mask.sum().clamp_min(1))
-        mine = self._share(trajs)
-        rows = layout(mine) if mine else None
-        ret = self.advantages(mine, rows)[1] if mine else None
-        return [self._critic_update(rows, ret, n_global)
-                for _ in range(self.cfg.value_pretrain_steps if steps is None else steps)]
+        size = batch_size or len(trajs)
+        batches = []
+        for i in range(0, len(trajs), size):
+            chunk = trajs[i:i + size]
+            mine = self._share(chunk)
+            rows = layout(mine) if mine else None
+            batches.append((rows, self.advantages(mine, rows)[1] if mine else None,
+                            float(layout(chunk).mask.sum().clamp_min(1))))
+        n = self.cfg.value_pretrain_steps if steps is None else steps
+        self.pretrained_ids = {t.trajectory_id for t in trajs[:min(n, len(batches)) * size]}  # the ones it fitted
+        return [self._critic_update(*batches[k % len(batches)]) for k in range(n)]
 
     def step(self, trajs: list[Trajectory], current_version: int) -> dict:
         kept = self.select(trajs, current_version)

@@ -36,7 +36,7 @@ def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
     """rollout_batches → rewards → sao_expert is a real data flow: `rewards` scores the stored rollouts per domain,
     and SAO's critic pre-trains on that domain's rollouts, read back from the store, then takes its first step on them."""
     cfg = configs.load("micro", ["envs.n_train=8", "envs.n_eval=1", "envs.probes=false", "loop.steps=2",
-                                 "sao.value_pretrain_steps=1"])
+                                 "sao.value_pretrain_steps=1", "loop.warm_rollouts=train"])
     specs = stages.env_specs(cfg, tmp_path / "envs")
     envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
     torch.manual_seed(1)

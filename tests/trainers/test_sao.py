@@ -148,6 +148,36 @@ def test_sao_step_runs_and_reports(tmp_path):
     assert st["trajectories"] == 4 and st["tokens"] == 40
 
 
+def test_value_pretrain_cycles_through_batches():
+    """With a batch size, each update fits one batch, in order and cycling, and its loss is that batch's mean:
+    the same as an update on that batch alone (so pre-training on 80 stored rollouts costs what 10 batches cost)."""
+    cfg = configs.load("micro").model
+    trajs = [_traj([(torch.randint(0, 200, (10 + i,)).tolist(), [0] * 4 + [1] * (6 + i))], reward=float(i % 2),
+                   versions=1) for i in range(5)]
+    seen = []
+
+    def spy(tr):
+        real = tr._critic_update
+
+        def update(rows, ret, n):
+            seen.append((int(rows.mask.sum()), n))
+            return real(rows, ret, n)
+        tr._critic_update = update
+        return tr
+
+    torch.manual_seed(0)
+    tr = spy(SAOTrainer(Transformer(cfg), SAOConfig(critic_updates=1)))
+    losses = tr.value_pretrain(trajs, steps=4, batch_size=2)
+    sizes = [sum(t.n_trainable for t in trajs[i:i + 2]) for i in (0, 2, 4, 0)]  # batches [0,1] [2,3] [4] [0,1]
+    assert [s for s, _ in seen] == sizes and [n for _, n in seen] == sizes
+    torch.manual_seed(0)
+    alone = SAOTrainer(Transformer(cfg), SAOConfig(critic_updates=1))
+    assert losses[0] == pytest.approx(alone.value_pretrain(trajs[:2], steps=1)[0], rel=1e-6)
+    seen.clear()
+    spy(alone).value_pretrain(trajs, steps=2)  # no batch size: every update fits all of them
+    assert [s for s, _ in seen] == [sum(t.n_trainable for t in trajs)] * 2
+
+
 def test_actor_lr_warmup_reaches_the_configured_lr():
     cfg = configs.load("micro").model
     torch.manual_seed(0)
