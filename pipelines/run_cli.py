@@ -131,7 +131,7 @@ def cmd_run(args) -> int:
            "mlflow_ui": "http://127.0.0.1:5000"}
     con.print(f"[bold]temper[/] iteration {it} on [bold]{args.preset}[/] → {run_root / f'iteration-{int(it):04d}'}")
     t0 = time.perf_counter()
-    res = defs.get_job_def("iteration").execute_in_process(
+    res = defs.resolve_job_def("iteration").execute_in_process(
         run_config={"resources": {"temper": {"config": cfg}, **({"rollout": {"config": {
                         "kind": "embedded", "embedded_servers": args.servers, "all_stages": True}}} if args.servers else {})},
                     "loggers": {"console": {"config": {"log_level": args.log_level}}}},
