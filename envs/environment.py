@@ -80,9 +80,10 @@ def _pinned_sha(path: Path) -> str | None:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def copy_workspace(src: Path, dst: Path) -> None:
+def copy_workspace(src: Path, dst: Path, root: Path | None = None) -> None:
     """Copy the workspace for a verifier: directories and regular files as they are, links as links (never
     followed), and a special file refused with WorkspaceError (opening a FIFO would hang the verifier)."""
+    root = root or src
     dst.mkdir()
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
         st = entry.stat(follow_symlinks=False)
@@ -90,15 +91,14 @@ def copy_workspace(src: Path, dst: Path) -> None:
         if stat.S_ISLNK(st.st_mode):
             os.symlink(os.readlink(entry.path), to)
         elif stat.S_ISDIR(st.st_mode):
-            copy_workspace(Path(entry.path), to)
+            copy_workspace(Path(entry.path), to, root)
         elif stat.S_ISREG(st.st_mode):
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             with os.fdopen(fd, "rb") as f, open(to, "wb") as g:
                 shutil.copyfileobj(f, g)
         else:
             kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
-            raise WorkspaceError(f"{entry.path[len(str(src)) + 1:] if str(src) in entry.path else entry.name} "
-                                 f"is a {kind}")
+            raise WorkspaceError(f"{os.path.relpath(entry.path, root)} is a {kind}")
 
 
 def _normalise(s: str, how: str) -> str:

@@ -168,6 +168,20 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     async def in_control(fn, *a, **kw):
         return await asyncio.get_running_loop().run_in_executor(control, functools.partial(fn, *a, **kw))
 
+    async def chunks(r: GenRequest):
+        """The kinds of `r`'s streamed chunks, up to and including "finish". A stream that ends early (its client
+        went away, which cancels the task) aborts `r`; the abort is handed off, not awaited, as this task is
+        being cancelled."""
+        try:
+            while True:
+                kind, *_ = await _next_chunk(r.chunks)
+                yield kind
+                if kind == "finish":
+                    return
+        finally:
+            if not r.future.done():
+                control.submit(engine.abort, r.rid)
+
     async def until_done(request: Request | None, reqs: list[GenRequest]) -> None:
         """Wait for `reqs`; a client that goes away aborts them (its work does not outlive it)."""
         futs = [asyncio.wrap_future(r.future) for r in reqs]
@@ -271,17 +285,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         except (QueueFull, EngineError) as e:
             yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
             return
-        try:
-            while True:
-                kind, *_ = await _next_chunk(r.chunks)
-                payload = {"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)}
-                yield f"data: {json.dumps(payload)}\n\n"
-                if kind == "finish":
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away mid-stream: stop generating for it (not awaited: this task is cancelled)
-            if not r.future.done():
-                control.submit(engine.abort, r.rid)
+        async for _kind in chunks(r):
+            payload = {"text": text_of(r), "output_ids": r.output_ids, "meta_info": meta(r)}
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDisk):
@@ -460,27 +467,20 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     async def stream_openai(r: GenRequest, cid: str, obj: str, chat: bool):
         sent = ""
         first = True
-        try:
-            while True:
-                kind, *_ = await _next_chunk(r.chunks)
-                text = text_of(r)
-                delta, sent = text[len(sent):], text
-                fin = finish_reason(r) if kind == "finish" else None
-                if chat:
-                    d = {"content": delta}
-                    if first:
-                        d["role"] = "assistant"
-                    choice = {"index": 0, "delta": d, "finish_reason": fin}
-                else:
-                    choice = {"index": 0, "text": delta, "finish_reason": fin}
-                first = False
-                yield f"data: {json.dumps({'id': cid, 'object': obj, 'model': served_name, 'choices': [choice]})}\n\n"
-                if kind == "finish":
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away mid-stream: stop generating for it (not awaited: this task is cancelled)
-            if not r.future.done():
-                control.submit(engine.abort, r.rid)
+        async for kind in chunks(r):
+            text = text_of(r)
+            delta, sent = text[len(sent):], text
+            fin = finish_reason(r) if kind == "finish" else None
+            if chat:
+                d = {"content": delta}
+                if first:
+                    d["role"] = "assistant"
+                choice = {"index": 0, "delta": d, "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": fin}
+            first = False
+            yield f"data: {json.dumps({'id': cid, 'object': obj, 'model': served_name, 'choices': [choice]})}\n\n"
+        yield "data: [DONE]\n\n"
 
     app.state.engine = engine
     return app

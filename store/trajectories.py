@@ -397,33 +397,33 @@ def _where(
     """SQL predicate and parameters for the trajectory filters shared by every read method."""
     clauses: list[str] = []
     params: list = []
+
+    def among(column: str, values: list) -> None:
+        clauses.append(f"{column} IN ({', '.join('?' * len(values))})")
+        params.extend(values)
+
     if ids is not None:
         if isinstance(ids, str):
             raise ValueError("ids must be a list of trajectory ids, not one string")
-        ids = [str(i) for i in ids]
         if not ids:
             return "FALSE", []
-        clauses.append(f"trajectory_id IN ({', '.join('?' * len(ids))})")
-        params += ids
+        among("trajectory_id", [str(i) for i in ids])
     if domain is not None:
         doms = [domain] if isinstance(domain, str) else list(domain)
         if not doms or not all(isinstance(d, str) for d in doms):
             raise ValueError(f"domain must be a string or a non-empty list of strings, got {domain!r}")
-        clauses.append(f"domain IN ({', '.join('?' * len(doms))})")
-        params += doms
+        among("domain", doms)
     if iteration is not None:
         its = [iteration] if isinstance(iteration, int) else list(iteration)
         if not its or not all(isinstance(i, int) for i in its):
             raise ValueError(f"iteration must be an int or a non-empty list of ints, got {iteration!r}")
-        clauses.append(f"iteration IN ({', '.join('?' * len(its))})")
-        params += its
+        among("iteration", its)
     if status is not None:
         sts = [status] if isinstance(status, str) else list(status)
         bad = [s for s in sts if s not in STATUSES]
         if not sts or bad:
             raise ValueError(f"status {status!r}: expected one or more of {STATUSES}")
-        clauses.append(f"status IN ({', '.join('?' * len(sts))})")
-        params += sts
+        among("status", sts)
     # trajectories without generated tokens (n_trainable = 0) have no policy version: version filters keep them
     if min_version is not None:
         clauses.append("(n_trainable = 0 OR min_version >= ?)")

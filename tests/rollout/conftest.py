@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -10,6 +12,28 @@ def micro_model():
     torch.manual_seed(0)
     cfg = configs.load("micro", ["model.index_topk=8", "model.initializer_range=0.1"]).model
     return Transformer(cfg).eval()
+
+
+@contextlib.contextmanager
+def _micro_server(micro_model, max_queue: int):
+    from rollout.engine import Engine
+    from rollout.server import ServerThread, create_app
+
+    m = Transformer(micro_model.config)
+    m.load_state_dict(micro_model.state_dict())
+    eng = Engine(m, n_slots=4, max_len=128, max_queue=max_queue)
+    try:
+        with ServerThread(create_app(eng, model_path="micro")) as srv:
+            yield srv, eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def micro_server(micro_model):
+    """`micro_server(max_queue)`: a context manager serving a copy of `micro_model` on 127.0.0.1 (4 slots,
+    128 tokens) that yields (server, engine) and stops both on exit."""
+    return lambda max_queue: _micro_server(micro_model, max_queue)
 
 
 @pytest.fixture(scope="session")

@@ -6,19 +6,13 @@ import json
 import httpx
 import pytest
 
-from model import Transformer, save_checkpoint
-from rollout.engine import Engine
-from rollout.server import ServerThread, create_app
+from model import save_checkpoint
 
 
 @pytest.fixture(scope="module")
-def server(micro_model):
-    m = Transformer(micro_model.config)
-    m.load_state_dict(micro_model.state_dict())
-    eng = Engine(m, n_slots=4, max_len=128, max_queue=8)
-    with ServerThread(create_app(eng, model_path="micro")) as srv:
-        yield srv, eng
-    eng.shutdown()
+def server(micro_server):
+    with micro_server(max_queue=8) as srv_eng:
+        yield srv_eng
 
 
 @pytest.fixture

@@ -8,20 +8,14 @@ import httpx
 import pytest
 
 from model import Transformer, save_checkpoint
-from rollout.engine import Engine
-from rollout.server import ServerThread, create_app
 
 LONG = {"max_new_tokens": 100, "temperature": 1.0, "ignore_eos": True}
 
 
 @pytest.fixture
-def server(micro_model):
-    m = Transformer(micro_model.config)
-    m.load_state_dict(micro_model.state_dict())
-    eng = Engine(m, n_slots=4, max_len=128, max_queue=32)
-    with ServerThread(create_app(eng, model_path="micro")) as srv:
-        yield srv, eng
-    eng.shutdown()
+def server(micro_server):
+    with micro_server(max_queue=32) as srv_eng:
+        yield srv_eng
 
 
 def _http(srv, timeout=60.0):
