@@ -48,7 +48,7 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
                           seed=cfg.seed) as urls:
         ro = timed("rollout_batches", stages.rollout_batches, cfg, ws["checkpoint"], envs, out / "store.duckdb",
                    iteration, urls)
-    scored = stages.rewards(out / "store.duckdb", iteration, ro["trajectory_ids"])["domains"]
+    scored = timed("rewards", stages.rewards, out / "store.duckdb", iteration, ro["trajectory_ids"])["domains"]
     experts = {}
     for dom in envs["domains"]:
         experts[dom] = timed(f"sao_{dom}", stages.sao_expert, cfg, ws["checkpoint"], envs, dom, out / "experts" / dom,
@@ -58,7 +58,8 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,
                iteration=iteration)
-    return {"evaluation": ev, "seconds": secs, "rollout_reward": ro["domain_reward"], "student": student["checkpoint"],
+    return {"evaluation": ev, "seconds": secs, "student": student["checkpoint"],
+            "rollout_reward": {d: v["mean_reward"] for d, v in scored.items()},
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
 
 

@@ -239,9 +239,7 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
     return {"trajectories": n, "tokens": sum(t.n_tokens for t in trajs), "store": str(store_path), "parquet": str(export),
             "trajectory_ids": [t.trajectory_id for t in trajs], "policy_version": WARM_VERSION,
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
-            "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),
-            "domain_reward": {d: sum(t.reward for t in trajs if t.domain == d) / sum(1 for t in trajs if t.domain == d)
-                              for d in sorted({t.domain for t in trajs})},
+            "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),  # per-domain rewards: `rewards`
             "family_reward": {f: sum(t.reward for t in trajs if t.family == f) / sum(1 for t in trajs if t.family == f)
                               for f in sorted({t.family for t in trajs})}}
 
