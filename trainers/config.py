@@ -37,6 +37,7 @@ class SAOConfig(BaseModel):
     alpha: float = Field(default=1.0, gt=0)  # λ_policy = 1 − 1/(α·l)
     staleness: int | None = Field(default=2, ge=0)  # τ; None: no bound (naive async)
     critic_updates: int = Field(default=2, ge=0)
+    epochs: int = Field(default=1, ge=1)  # actor updates per batch (PPO epochs); one policy version per batch
     freeze_critic_attention: bool = True
     lr: float = Field(default=1e-4, gt=0)
     warmup_steps: int = Field(default=0, ge=0)  # linear actor-lr warmup: Adam's first steps are full-size
@@ -60,6 +61,7 @@ class OPDConfig(BaseModel):
     grad_clip: float = Field(default=1.0, gt=0)
     micro_rows: int = Field(default=8, gt=0)
     steps: int = Field(default=10, ge=0)  # OPD steps in one iteration
+    epochs: int = Field(default=1, ge=1)  # student updates per batch (the teachers score it once)
 
 
 class LoopConfig(BaseModel):

@@ -47,25 +47,30 @@ class OPDTrainer:
         t_lp = self.teacher_logprobs(trajs)
         mean_r = sum(t.reward for t in trajs) / len(trajs)
         self.student.train()
-        n = sum(int(layout([t]).mask.sum()) for t in trajs)
-        self.opt.zero_grad(set_to_none=True)
-        agg: dict[str, float] = {}
-        rkl = 0.0
-        mm = Mismatch()
-        for t, tlp in zip(trajs, t_lp):
-            rows = layout([t])
-            lp, _ = token_logprobs(self.student, rows.ids)
-            if current_version is not None:
-                mm.add(lp, rows.logp_rollout, rows.mask, rows.versions, current_version)
-            adv = opd_advantage(tlp, lp, outcome=t.reward - mean_r, alpha=self.cfg.outcome_alpha)
-            loss, st = policy_loss(lp, rows.logp_rollout, adv, rows.mask, self.lcfg)
-            share = float(rows.mask.sum()) / n
-            (loss * share).backward()
-            rkl += float(((lp.detach() - tlp) * rows.mask).sum())
-            for k, v in st.items():
-                agg[k] = agg.get(k, 0.0) + v * share
-        gn = torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
-        self.opt.step()
+        rows_of = [layout([t]) for t in trajs]
+        n = sum(int(r.mask.sum()) for r in rows_of)
+        first: dict[str, float] = {}
+        for epoch in range(self.cfg.epochs):  # passes over the batch; the teacher scored it once
+            self.opt.zero_grad(set_to_none=True)
+            agg: dict[str, float] = {}
+            rkl = 0.0
+            mm = Mismatch()
+            for t, tlp, rows in zip(trajs, t_lp, rows_of):
+                lp, _ = token_logprobs(self.student, rows.ids)
+                if current_version is not None and epoch == 0:
+                    mm.add(lp, rows.logp_rollout, rows.mask, rows.versions, current_version)
+                adv = opd_advantage(tlp, lp, outcome=t.reward - mean_r, alpha=self.cfg.outcome_alpha)
+                loss, st = policy_loss(lp, rows.logp_rollout, adv, rows.mask, self.lcfg)
+                share = float(rows.mask.sum()) / n
+                (loss * share).backward()
+                rkl += float(((lp.detach() - tlp) * rows.mask).sum())
+                for k, v in st.items():
+                    agg[k] = agg.get(k, 0.0) + v * share
+            gn = torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
+            if epoch == 0:  # reverse KL, band and mismatch of the batch as the student generated it
+                first = {**agg, **mm.stats(), "reverse_kl": rkl / n, "grad_norm": float(gn)}
+            else:
+                first["reverse_kl_last"] = rkl / n
+            self.opt.step()
         self.steps += 1
-        return {**agg, **mm.stats(), "tokens": float(n), "reverse_kl": rkl / n, "grad_norm": float(gn),
-                "trajectories": len(trajs), "reward_mean": mean_r, "step": self.steps}
+        return {**first, "tokens": float(n), "trajectories": len(trajs), "reward_mean": mean_r, "step": self.steps}

@@ -267,36 +267,45 @@ class SAOTrainer:
             vl = [self._critic_update(rows, ret, n_global) for _ in range(self.cfg.critic_updates)]
             stats["value_loss"] = vl[-1]
         n = torch.tensor(n_global / self.backend.world_size)
-        self.opt.zero_grad(set_to_none=True)
-        agg: dict[str, float] = {}
-        ent_sum = 0.0
-        mm = Mismatch()
-        for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
-            sl = slice(i, i + self.cfg.micro_rows)
-            lp, ent = token_logprobs(self.actor, rows.ids[sl])
-            m = rows.mask[sl]
-            mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl], current_version)
-            loss, st = policy_loss(lp, rows.logp_rollout[sl], adv[sl], m, self.lcfg)
-            share = m.sum() / n  # per-micro-batch losses are token means: reweight to the batch mean
-            (loss * share).backward()
-            ent_sum += float((ent.detach() * m).sum())
-            for k, v in st.items():
-                agg[k] = agg.get(k, 0.0) + v * float(share)
-        self.backend.all_reduce_grads(self.actor)
-        gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
         lr = self.lr_at(self.steps)
-        stats.update(agg)
-        stats.update(mm.stats())
-        if not float(gn) > 0.0:  # every advantage zero (e.g. GRPO on a group of equal rewards): no update at all,
-            self.opt.zero_grad(set_to_none=True)  # not even Adam's momentum, and no new policy version
-            stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=0.0,
-                         reward_mean=sum(rewards) / len(kept))
+        updated = False
+        for epoch in range(self.cfg.epochs):  # PPO-style passes over the batch; the ratio and band keep them safe
+            self.opt.zero_grad(set_to_none=True)
+            agg: dict[str, float] = {}
+            ent_sum = 0.0
+            mm = Mismatch()
+            for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
+                sl = slice(i, i + self.cfg.micro_rows)
+                lp, ent = token_logprobs(self.actor, rows.ids[sl])
+                m = rows.mask[sl]
+                mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl],
+                       current_version)
+                loss, st = policy_loss(lp, rows.logp_rollout[sl], adv[sl], m, self.lcfg)
+                share = m.sum() / n  # per-micro-batch losses are token means: reweight to the batch mean
+                (loss * share).backward()
+                ent_sum += float((ent.detach() * m).sum())
+                for k, v in st.items():
+                    agg[k] = agg.get(k, 0.0) + v * float(share)
+            self.backend.all_reduce_grads(self.actor)
+            gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
+            if epoch == 0:  # the batch as the engines generated it: mismatch, entropy and band before any update
+                stats.update(agg)
+                stats.update(mm.stats())
+                stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=float(gn))
+            else:
+                stats.update({f"{k}_last": v for k, v in agg.items()})
+            if not float(gn) > 0.0:  # every advantage zero (e.g. GRPO on a group of equal rewards), or every token
+                self.opt.zero_grad(set_to_none=True)  # masked: no update, not even Adam's momentum
+                break
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+            updated = True
+        stats["reward_mean"] = sum(rewards) / len(kept)
+        if not updated:  # no new policy version
+            stats["grad_norm"] = 0.0
             return stats
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
         self.steps += 1
         stats["updated"] = True
-        stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=float(gn), step=self.steps,
-                     reward_mean=sum(t.reward for t in kept) / len(kept))
+        stats["step"] = self.steps
         return stats

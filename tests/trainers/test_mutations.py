@@ -308,3 +308,53 @@ def test_staleness_bound_uses_the_oldest_generated_token():
     # through a full step: the stale sample is counted and not trained on
     st = tr.step([at_bound, too_old], v)
     assert st["trajectories"] == 1 and st["dropped_stale"] == 3
+
+
+# ---- 9. several updates per batch ------------------------------------------------------------------------------
+
+def test_sao_epochs_are_updates_on_one_batch_under_one_policy_version():
+    """`epochs=E` takes E actor updates on one batch (ratio against the rollout log-probs each time) and makes one
+    policy version: the weights equal E single-epoch steps on the same batch (GRPO: advantages from the rewards
+    alone, so nothing else changes between the calls)."""
+    def batch():
+        trajs = _batch(n_rows=4, rewards=[1.0, 0.0, 0.0, 1.0])
+        for i, t in enumerate(trajs):
+            t.env_id = f"g{i // 2}"
+        return trajs
+
+    one, three = _micro(0), _micro(0)
+    a = SAOTrainer(one, SAOConfig(loss="grpo", lr=1e-4))
+    b = SAOTrainer(three, SAOConfig(loss="grpo", lr=1e-4, epochs=3))
+    trajs = _own_logprobs(batch(), one)
+    for _ in range(3):
+        a.step(trajs, current_version=0)
+    st = b.step(trajs, current_version=0)
+    assert st["updated"] is True and b.steps == 1 and a.steps == 3
+    assert all(s["step"] == 3 for s in b.opt.state.values())
+    for (name, p), q in zip(one.named_parameters(), three.parameters()):
+        assert torch.equal(p, q), name
+    assert st["clip_frac_last"] >= 0.0 and "ratio_mean_last" in st  # the last pass's band, beside the first's
+
+
+def test_opd_epochs_score_once_and_equal_single_steps():
+    from trainers.config import OPDConfig
+
+    class Counting(StubPool):
+        calls = 0
+
+        def score_batches(self, batches, fn):
+            Counting.calls += 1
+            return super().score_batches(batches, fn)
+
+    teacher = _micro(5)
+    trajs = _batch(n_rows=3, rewards=[0.0, 0.0, 0.0])
+    s1, s2 = _micro(0), _micro(0)
+    _own_logprobs(trajs, s1)
+    a = OPDTrainer(s1, StubPool(teacher), OPDConfig(lr=1e-3))
+    b = OPDTrainer(s2, Counting(teacher), OPDConfig(lr=1e-3, epochs=2))
+    a.step(trajs)
+    a.step(trajs)
+    st = b.step(trajs)
+    assert Counting.calls == 1 and b.steps == 1 and st["reverse_kl_last"] != st["reverse_kl"]  # measured after the first update
+    for (name, p), q in zip(s1.named_parameters(), s2.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
