@@ -11,7 +11,10 @@ metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
+import ast
 import base64
+import hashlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -21,7 +24,28 @@ import dagster as dg
 from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
-LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=1)
+# a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
+LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+OWNERS = ["team:post-training"]
+_STAGES = Path(__file__).parents[1] / "pipelines" / "stages.py"
+
+
+def _code_version(fn, stage: str | None) -> str:
+    """A hash of the asset body and of the stage function it runs: the UI flags a partition materialised by
+    older code."""
+    text = inspect.getsource(fn)
+    if stage:
+        tree = ast.parse(_STAGES.read_text())
+        text += next(ast.unparse(f) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == stage)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _asset(*, stage: str | None, kinds: tuple[str, ...] = (), **kw):
+    """`dg.asset` on the iteration partitions, with owners, kinds and a code version."""
+    def wrap(fn):
+        return dg.asset(partitions_def=ITERATIONS, group_name="iteration", owners=OWNERS, kinds={"python", *kinds},
+                        code_version=_code_version(fn, stage), **kw)(fn)
+    return wrap
 
 
 def _save(d: Path, name: str, out: dict) -> None:
@@ -43,16 +67,28 @@ def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, san
     """Run `pipelines.stages.<stage>` in a Pipes subprocess; return the result it wrote."""
     result.unlink(missing_ok=True)
     pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step", stage], env=trainer.env(),
-              extras={"stage": stage, "preset": temper.preset, "overrides": temper.overrides + sandbox.overrides(),
+              extras={"stage": stage, "preset": temper.preset_name, "overrides": temper.overrides + sandbox.overrides(),
                       "kwargs": kwargs, "result": str(result)})
     return json.loads(result.read_text())
+
+
+def _iteration_run(temper: TemperResource, iteration: str) -> str:
+    """The iteration's MLflow run, tagged with the Dagster run and partition, the git commit, the preset and
+    overrides, with the resolved config logged as `config/config.json`."""
+    from store.tracking import git_commit
+
+    ctx = dg.AssetExecutionContext.get()
+    tags = {"dagster_run_id": ctx.run.run_id if ctx else "", "dagster_partition": iteration,
+            "mlflow.source.git.commit": git_commit(), "preset": temper.preset_name,
+            "overrides": ",".join(temper.overrides)[:4000]}
+    return temper.tracker().iteration_run(iteration, tags=tags, config=temper.config().model_dump(mode="json"))
 
 
 def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,
            params: dict | None = None, bars: dict[str, dict[str, float]] | None = None) -> dict:
     """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation."""
     tr = temper.tracker()
-    run = tr.stage_run(tr.iteration_run(iteration), iteration, stage)
+    run = tr.stage_run(_iteration_run(temper, iteration), iteration, stage)
     curves = out.get("curves") or {}
     tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params, steps=curves)
     meta = {"mlflow_run": dg.MetadataValue.url(temper.run_url(tr, run)) if temper.mlflow_ui
@@ -70,7 +106,7 @@ def _partition(context) -> str:
     return context.run.tags.get("dagster/partition") or context.partition_key
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", description="Task specs generated from the patterns")
+@_asset(stage="env_specs", description="Task specs generated from the patterns")
 def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     from pipelines import stages
 
@@ -80,10 +116,16 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     _save(d, "env_specs", out)
     meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"], "n_rl": out["n_rl"]},
                   {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
+    sets = {"held_out": (out["eval_sha256"], out["eval"], "evaluation")}
+    if out.get("rl"):
+        sets["rl"] = (out["rl_sha256"], out["rl"], "training")
+    if out.get("train"):
+        sets["sft"] = (out["sha256"], out["train"], "training")
+    temper.tracker().log_datasets(_iteration_run(temper, it), {f"iteration-{it}-{k}": v for k, v in sets.items()})
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[env_specs], retry_policy=LONG_STEP_RETRY,
+@_asset(stage="verified_envs", kinds=("bubblewrap",), deps=[env_specs], retry_policy=LONG_STEP_RETRY,
           description="Specs that passed the solvability judge, the triad and the hack probes (in the sandbox)")
 def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                   sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
@@ -99,14 +141,16 @@ def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pip
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset_check(asset=verified_envs, blocking=True, description="Enough environments pass the verifier triad")
+@dg.asset_check(asset=verified_envs, partitions_def=ITERATIONS, blocking=True,
+                description="Enough environments pass the verifier triad")
 def triad_pass_rate(context: dg.AssetCheckExecutionContext, temper: TemperResource) -> dg.AssetCheckResult:
     out = _load(temper.dir(_partition(context)), "verified_envs")
     ok = out["triad_pass_rate"] >= 0.5 and out["accepted"] > 0
     return dg.AssetCheckResult(passed=ok, metadata={"triad_pass_rate": out["triad_pass_rate"], "accepted": out["accepted"]})
 
 
-@dg.asset_check(asset=verified_envs, blocking=True, description="No admitted environment rewards a hack probe")
+@dg.asset_check(asset=verified_envs, partitions_def=ITERATIONS, blocking=True,
+                description="No admitted environment rewards a hack probe")
 def hack_probes(context: dg.AssetCheckExecutionContext, temper: TemperResource) -> dg.AssetCheckResult:
     out = _load(temper.dir(_partition(context)), "verified_envs")
     return dg.AssetCheckResult(passed=out["accepted_probe_hits"] == 0,
@@ -128,7 +172,7 @@ def _domain_metrics(prefix: str, domains: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in domains.items()}
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[verified_envs], retry_policy=LONG_STEP_RETRY,
+@_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs], retry_policy=LONG_STEP_RETRY,
           description="The policy this iteration starts from: SFT warm start (iteration 1) or the previous student")
 def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
@@ -143,7 +187,7 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or where[out["source"]]})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[warm_start, verified_envs], pool="duckdb_writer",
+@_asset(stage="rollout_batches", kinds=("pytorch", "duckdb"), deps=[warm_start, verified_envs], pool="duckdb_writer",
           retry_policy=LONG_STEP_RETRY, description="One rollout per verified environment, in the DuckDB trajectory store")
 def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                     sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
@@ -161,7 +205,7 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rollout_batches], pool="duckdb_writer",
+@_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches], pool="duckdb_writer",
           description="Verifier rewards of the rollouts, per domain, family and status, read from the DuckDB store")
 def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     from pipelines import stages
@@ -180,7 +224,7 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[rewards, warm_start, verified_envs],
+@_asset(stage="sao_expert", kinds=("pytorch", "duckdb"), deps=[rewards, warm_start, verified_envs],
           retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="One SAO-trained expert per domain, each from the warm start; its critic and first step "
                       "read the domain's scored rollouts back from the store")
@@ -217,7 +261,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                           **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration", deps=[sao_experts, warm_start, verified_envs],
+@_asset(stage="opd_student", kinds=("pytorch", "duckdb"), deps=[sao_experts, warm_start, verified_envs],
           retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="The student distilled from the domain experts by multi-teacher on-policy distillation")
 def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
@@ -238,8 +282,8 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     return dg.MaterializeResult(metadata={**_meta(out), **meta})
 
 
-@dg.asset(partitions_def=ITERATIONS, group_name="iteration",
-          deps=[opd_student, sao_experts, warm_start, verified_envs], retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
+@_asset(stage="evaluation", kinds=("pytorch", "mlflow"),
+        deps=[opd_student, sao_experts, warm_start, verified_envs], retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
 def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
@@ -264,10 +308,10 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                   bars={"warm start": out["domain_before"], "student": out["domain_after"],
                         "experts (own domain)": out["domain_teacher"]})
     tr = temper.tracker()
-    run = tr.iteration_run(it)
+    run = _iteration_run(temper, it)
     curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in experts.items()}
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
-           params={"preset": temper.preset, "overrides": ",".join(temper.overrides), "student": out["student"]})
+           params={"preset": temper.preset_name, "overrides": ",".join(temper.overrides), "student": out["student"]})
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
     reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"],
                               significant=out["significant"], p_value=out["p_value"])
@@ -281,6 +325,8 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                        f"{v['test']['gained']} | {v['test']['lost']} | {v['test']['p_value']:.4f} |" for g, v in st.items())
     return dg.MaterializeResult(metadata={**_meta(out), **meta, "paired_comparison": dg.MetadataValue.md(table),
                                           "champion_moved": reg["champion_moved"], "champion_reason": reg["reason"],
+                                          "registered_model_uri": dg.MetadataValue.url(reg["model_uri"]),
+                                          "logged_model_id": reg["model_id"],
                                           "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))})
 
 

@@ -6,27 +6,48 @@ under the run root whose writers share the `duckdb_writer` concurrency pool (lim
 
 
 import contextlib
+import enum
 import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import dagster as dg
+from pydantic import model_validator
+
+# the shipped presets, as an enum: the Launchpad (and `validate_run_config`) refuses any other name
+Preset = enum.Enum("Preset", {p.stem: p.stem for p in sorted((Path(__file__).parents[1] / "configs" / "presets")
+                                                              .glob("*.yaml"))}, type=str)
 
 
 class TemperResource(dg.ConfigurableResource):
-    """The IterationConfig (a preset plus Launchpad overrides) and where runs, trajectories and tracking live."""
+    """The IterationConfig (a preset plus Launchpad overrides) and where runs, trajectories and tracking live.
 
-    preset: str = "tiny"
+    The preset is an enum in the config schema. The overrides are resolved against it when the resource is
+    built, so a bad key or value stops the run before any asset computes, with the key named (and a "did you
+    mean"); `temper run` resolves them before it creates a partition."""
+
+    preset: Preset = Preset.tiny
     overrides: list[str] = []
     run_root: str = "runs/pipeline"
     mlflow_uri: str = ""  # default: sqlite under run_root
     mlflow_ui: str = ""  # e.g. http://127.0.0.1:5000 (what `make ui` serves): turns run links into URLs
 
+    @model_validator(mode="after")
+    def _resolves(self):
+        import configs
+
+        configs.load(self.preset_name, self.overrides)  # ConfigError (a ValueError) names the bad key
+        return self
+
+    @property
+    def preset_name(self) -> str:
+        return self.preset.value if isinstance(self.preset, enum.Enum) else str(self.preset)
+
     def config(self):
         import configs
 
-        return configs.load(self.preset, self.overrides)
+        return configs.load(self.preset_name, self.overrides)
 
     def dir(self, iteration: str) -> Path:
         p = Path(self.run_root) / f"iteration-{int(iteration):04d}"

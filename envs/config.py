@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EnvConfig(BaseModel):
@@ -28,6 +28,19 @@ class EnvConfig(BaseModel):
     probes: bool = True
     probe_every: int = Field(default=1, gt=0)  # hack-probe every k-th environment (1: all); the triad runs on all
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
+
+    @field_validator("patterns", "eval_patterns", "rl_patterns")
+    @classmethod
+    def _patterns_make_tasks(cls, v: list[str]) -> list[str]:
+        """Each pattern names a family with valid knobs: one task is drawn from it at config time."""
+        from .generator import generate
+
+        for p in v:
+            try:
+                generate([p], 1)
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"pattern {p!r}: {str(e).strip(chr(34) + chr(39))}") from None
+        return v
 
     @property
     def rl_source(self) -> tuple[int, int]:

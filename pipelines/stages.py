@@ -83,7 +83,7 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
                                     "rl_seed": cfg.envs.rl_seed + ITERATION_SEED_STRIDE * (iteration - 1)})
     held = write_dataset(generate(e.held_out_patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
     res = {"train": None, "eval": str(out / "eval"), "n_train": 0, "n_eval": held["n"], "n_rl": 0,
-           "families": {}, "eval_families": held["families"]}
+           "families": {}, "eval_families": held["families"], "eval_sha256": held["sha256"]}
     if e.n_train or not e.n_rl:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
         train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
         res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])

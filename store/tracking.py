@@ -6,11 +6,28 @@ telemetry is off.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+@functools.cache
+def git_commit(repo: Path | None = None) -> str:
+    """The commit of the code that ran (with `+dirty` when the work tree differs), or "unknown"."""
+    import subprocess
+
+    repo = repo or Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def artifact_root(tracking_uri: str) -> str | None:
@@ -41,13 +58,30 @@ class Tracker:
             t["mlflow.parentRunId"] = parent_run_id
         return self.client.create_run(self.experiment_id, run_name=name, tags=t).info.run_id
 
-    def iteration_run(self, iteration: str) -> str:
-        """The iteration's run (created once, found again on retries)."""
+    def iteration_run(self, iteration: str, tags: dict | None = None, config: dict | None = None) -> str:
+        """The iteration's run (created once, found again on retries). `tags` are set on it every time (the
+        latest Dagster run id wins); `config`, the resolved IterationConfig, is logged as `config.json` once."""
         runs = self.client.search_runs([self.experiment_id], f"tags.temper_iteration = '{iteration}' and "
                                                              "tags.temper_kind = 'iteration'", max_results=1)
         if runs:
-            return runs[0].info.run_id
-        return self.start(f"iteration-{iteration}", tags={"temper_iteration": iteration, "temper_kind": "iteration"})
+            run_id = runs[0].info.run_id
+            for k, v in (tags or {}).items():
+                if runs[0].data.tags.get(k) != str(v):
+                    self.client.set_tag(run_id, k, str(v))
+        else:
+            run_id = self.start(f"iteration-{iteration}", tags={"temper_iteration": iteration,
+                                                                "temper_kind": "iteration", **(tags or {})})
+        if config is not None and not self.client.list_artifacts(run_id, "config"):
+            self.client.log_dict(run_id, config, "config/config.json")
+        return run_id
+
+    def log_datasets(self, run_id: str, datasets: dict[str, tuple[str, str, str]]) -> None:
+        """Record the run's datasets as MLflow inputs: name → (digest, absolute source path, context)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        self.client.log_inputs(run_id, [DatasetInput(Dataset(name, digest[:36], "local", Path(src).resolve().as_uri()),
+                                                     [InputTag("mlflow.data.context", ctx)])
+                                        for name, (digest, src, ctx) in datasets.items()])
 
     def stage_run(self, iteration_run: str, iteration: str, stage: str) -> str:
         """The stage's run nested under the iteration's run (found again when the step is retried)."""
@@ -96,7 +130,15 @@ class Tracker:
         tags = {"pass_at_1": f"{score:.4f}", "significant": str(bool(significant))}
         if p_value is not None:
             tags["p_value"] = f"{p_value:.4g}"
-        mv = self.client.create_model_version(name, source=str(checkpoint), run_id=run_id, tags=tags)
+        # a LoggedModel holds a copy of the checkpoint in the artifact store; the version is registered from it,
+        # by its absolute artifact URI
+        lm = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=run_id, tags=tags,
+                                             params={"checkpoint": str(Path(checkpoint).resolve())},
+                                             model_type="glm_moe_dsa")
+        self.client.log_model_artifacts(lm.model_id, str(checkpoint))
+        self.client.finalize_logged_model(lm.model_id, "READY")
+        mv = self.client.create_model_version(name, source=lm.artifact_location, run_id=run_id,
+                                              tags={**tags, "logged_model_id": lm.model_id}, model_id=lm.model_id)
         try:
             champ = self.client.get_model_version_by_alias(name, "champion")
             best = float(champ.tags.get("pass_at_1", "-1"))
@@ -107,7 +149,8 @@ class Tracker:
             self.client.set_registered_model_alias(name, "champion", mv.version)
         why = ("beats the champion significantly" if moved else "no significant gain over its warm start"
                if not significant else f"pass@1 {score:.4f} does not beat the champion's {best:.4f}")
-        return {"version": int(mv.version), "champion_moved": moved, "previous_best": best, "reason": why}
+        return {"version": int(mv.version), "champion_moved": moved, "previous_best": best, "reason": why,
+                "model_id": lm.model_id, "model_uri": lm.artifact_location}
 
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} · experiment {self.experiment_id} · run {run_id}"

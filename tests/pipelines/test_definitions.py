@@ -1,12 +1,14 @@
 """The Dagster definitions: load, materialise a whole iteration on `micro`, lineage across iterations,
 blocking checks, MLflow, schedule and sensor."""
 
+import json
 from pathlib import Path
 from urllib.parse import urlparse
 
 import dagster as dg
 import pytest
 
+import configs
 from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, TemperResource
 from pipelines.definitions import defs, make_resources, next_iteration_on_evaluation, recurring_iterations
 
@@ -20,7 +22,11 @@ def test_definitions_load_and_validate():
     assert keys == {"env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts",
                     "opd_student", "evaluation"}
     assert defs.resolve_job_def("iteration").partitions_def == ITERATIONS
-    assert {s.name for s in defs.schedules} == {"recurring_iterations"}
+    assert {s.name for s in defs.sensors} == {"recurring_iterations", "next_iteration_on_evaluation"}
+    graph = defs.resolve_asset_graph()
+    for key in graph.get_all_asset_keys():  # owners, kinds and a code version on every asset
+        spec = graph.get(key)
+        assert spec.owners == ["team:post-training"] and "python" in spec.kinds and len(spec.code_version) == 12
 
 
 def test_lineage_is_the_data_flow():
@@ -77,8 +83,6 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     runs = client.search_runs([exp.experiment_id], "tags.temper_kind = 'iteration'")
     assert len(runs) == 2 and all("pass_at_1_after" in r.data.metrics for r in runs)
     assert all(r.info.status == "FINISHED" for r in runs)
-    import json
-
     sig = [json.loads((tmp_path / "runs" / f"iteration-000{i}" / "evaluation.json").read_text())["significant"]
            for i in (1, 2)]
     try:
@@ -86,7 +90,27 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     except Exception:  # noqa: BLE001 - mlflow's not-found error
         champ = None
     assert (champ is not None) == any(sig)  # the alias moves only on a significant improvement
-    assert len(client.search_model_versions("name = 'temper-student'")) == 2  # every student is registered
+    versions = client.search_model_versions("name = 'temper-student'")
+    assert len(versions) == 2  # every student is registered, from a LoggedModel holding a copy of its weights
+    for v in versions:
+        lm = client.get_logged_model(v.tags["logged_model_id"])
+        assert v.source == lm.artifact_location and urlparse(v.source).scheme == "file"
+        where = Path(urlparse(v.source).path)
+        assert where.is_absolute() and (where / "model.safetensors").is_file()
+        assert lm.source_run_id == v.run_id and str(lm.status).endswith("READY")
+    it_run = runs[0]
+    assert it_run.data.tags["dagster_partition"] == it_run.data.tags["temper_iteration"]
+    assert it_run.data.tags["dagster_run_id"] in {r1.run_id, r2.run_id}
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert it_run.data.tags["mlflow.source.git.commit"].removesuffix("+dirty") == head
+    logged = json.loads(Path(urlparse(client.download_artifacts(it_run.info.run_id, "config/config.json",
+                                                                str(tmp_path / "dl"))).path).read_text())
+    assert logged["loop"]["steps"] == 1 and logged["model"]["hidden_size"] == configs.load("micro").model.hidden_size
+    inputs = {d.dataset.name: d for d in client.get_run(it_run.info.run_id).inputs.dataset_inputs}
+    held = inputs[f"iteration-{it_run.data.tags['temper_iteration']}-held_out"]
+    assert held.dataset.source.endswith("/envs/eval") and held.tags[0].value == "evaluation"
     stages = client.search_runs([exp.experiment_id], "tags.temper_kind = 'stage' and tags.temper_iteration = '1'")
     assert {r.data.tags["temper_stage"] for r in stages} >= {"env_specs", "verified_envs", "warm_start", "rollout_batches",
                                                              "rewards", "opd_student", "evaluation"}
@@ -124,18 +148,44 @@ def test_failing_triad_check_blocks_downstream(instance, tmp_path):
     checks = {e.event_specific_data.check_name: e.event_specific_data.passed
               for e in res.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
     assert checks.get("triad_pass_rate") is False
+    parts = {e.event_specific_data.partition for e in res.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+    assert parts == {"1"}  # check records are partitioned like their asset: a history per iteration
 
 
-def test_schedule_and_sensor_requests(instance):
-    ctx = dg.build_schedule_context(instance=instance)
-    req = recurring_iterations(ctx)
-    assert req.partition_key == "1" and "1" in instance.get_dynamic_partitions(ITERATIONS.name)
-    sctx = dg.build_sensor_context(instance=instance)
-    assert isinstance(next_iteration_on_evaluation(sctx), dg.SkipReason)
-    instance.report_runless_asset_event(dg.AssetMaterialization("evaluation", partition="1"))
-    out = next_iteration_on_evaluation(dg.build_sensor_context(instance=instance))
-    assert [r.partition_key for r in out.run_requests] == ["2"]
-    assert out.dynamic_partitions_requests[0].partition_keys == ["2"]
+def test_recurring_and_evaluation_sensors_carry_the_previous_config(instance):
+    """Both triggers add partition N+1 (sensors may; schedules may not) and launch it on iteration N's run config,
+    and only once N has been evaluated."""
+    first = recurring_iterations(dg.build_sensor_context(instance=instance))
+    assert [r.partition_key for r in first.run_requests] == ["1"] and first.run_requests[0].run_config == {}
+    assert first.dynamic_partitions_requests[0].partition_keys == ["1"]
+    instance.add_dynamic_partitions(ITERATIONS.name, ["1"])
+    assert "not been evaluated" in recurring_iterations(dg.build_sensor_context(instance=instance)).skip_message
+    assert isinstance(next_iteration_on_evaluation(dg.build_sensor_context(instance=instance)), dg.SkipReason)
+
+    @dg.asset(name="evaluation", partitions_def=ITERATIONS)
+    def stub(temper: TemperResource):  # stands in for iteration 1's evaluation, run on a non-default config
+        return 1
+
+    conf = {"resources": {"temper": {"config": {"preset": "micro", "overrides": ["loop.steps=3"]}}}}
+    assert dg.materialize([stub], partition_key="1", instance=instance, resources={"temper": TemperResource()},
+                          run_config=conf).success
+    for sensor in (recurring_iterations, next_iteration_on_evaluation):
+        out = sensor(dg.build_sensor_context(instance=instance))
+        assert [r.partition_key for r in out.run_requests] == ["2"]
+        assert out.dynamic_partitions_requests[0].partition_keys == ["2"]
+        assert out.run_requests[0].run_config["resources"]["temper"]["config"]["overrides"] == ["loop.steps=3"]
+    assert instance.get_dynamic_partitions(ITERATIONS.name) == ["1"]  # evaluating a sensor adds nothing itself
+
+
+def test_launch_refuses_a_bad_preset_and_bad_overrides():
+    job = defs.resolve_job_def("iteration")
+    with pytest.raises(dg.DagsterInvalidConfigError, match="not in enum type Preset got tiny2"):
+        dg.validate_run_config(job, {"resources": {"temper": {"config": {"preset": "tiny2"}}}})
+    for bad, why in ((["loop.stepz=3"], "did you mean `loop.steps`"), (["loop.steps=many"], "loop.steps"),
+                     (["envs.patterns=[nope]"], "nope")):
+        with pytest.raises(ValueError, match=why.replace("`", ".")):
+            TemperResource(preset="micro", overrides=bad)
+    assert TemperResource(preset="micro", overrides=["loop.steps=3"]).config().loop.steps == 3
 
 
 def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, monkeypatch, capsys):
