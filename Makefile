@@ -35,9 +35,11 @@ run: $(STAMP) sandbox-deps
 test: $(STAMP) sandbox-deps browser-deps
 	$(BIN)/python -m pytest -q tests
 
-# Dagster (3000) and MLflow (5000) UIs on 127.0.0.1; Ctrl-C stops both.
+# Dagster and MLflow UIs on 127.0.0.1 (make ui DAGSTER_PORT=3100 MLFLOW_PORT=5100); Ctrl-C stops both.
+DAGSTER_PORT ?= 3000
+MLFLOW_PORT ?= 5000
 ui: $(STAMP) sandbox-deps
-	$(BIN)/python -m pipelines.ui
+	$(BIN)/python -m pipelines.ui --dagster-port $(DAGSTER_PORT) --mlflow-port $(MLFLOW_PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

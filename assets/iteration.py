@@ -24,6 +24,7 @@ import dagster as dg
 from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
+POLICY_KEY = dg.AssetKey("policy")
 # a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
 LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 OWNERS = ["team:post-training"]
@@ -158,21 +159,25 @@ def hack_probes(context: dg.AssetCheckExecutionContext, temper: TemperResource) 
 
 
 def _previous_student(context: dg.AssetExecutionContext, iteration: str) -> str | None:
+    """Iteration N−1's student, read from the `policy` asset: evaluation records each iteration's student there,
+    so the graph shows the N−1 → N edge (evaluation ⇢ policy → warm_start)."""
     prev = str(int(iteration) - 1)
     if int(prev) < 1:
         return None
-    res = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("opd_student"), asset_partitions=[prev]), limit=1)
-    if not res.records:
-        raise dg.Failure(f"iteration {iteration} starts from iteration {prev}'s student, which is not materialised")
-    return res.records[0].asset_materialization.metadata["checkpoint"].value
+    res = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=POLICY_KEY), limit=1000)
+    for rec in res.records:  # newest first: a repaired iteration's latest student wins
+        meta = rec.asset_materialization.metadata
+        if meta.get("iteration") is not None and str(meta["iteration"].value) == prev:
+            return meta["checkpoint"].value
+    raise dg.Failure(f"iteration {iteration} starts from iteration {prev}'s student, which is not materialised "
+                     f"(no `policy` record for iteration {prev}: run iteration {prev} to its evaluation first)")
 
 
 def _domain_metrics(prefix: str, domains: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in domains.items()}
 
 
-@_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs], retry_policy=LONG_STEP_RETRY,
+@_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs, POLICY_KEY], retry_policy=LONG_STEP_RETRY,
           description="The policy this iteration starts from: SFT warm start (iteration 1) or the previous student")
 def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
@@ -318,6 +323,12 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.finish(run)
     out.update(registered=reg)
     _save(d, "evaluation", out)
+    # hand the student to the next iteration: iteration N+1's warm start reads this record
+    context.log_event(dg.AssetMaterialization(POLICY_KEY, description=f"iteration {it}'s student", metadata={
+        "iteration": int(it), "checkpoint": dg.MetadataValue.path(str(Path(out["student"]).resolve())),
+        "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
+        "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
+        "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
     table = ("| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n"
              "|---|---|---|---|---|---|---|---|\n")
     table += "\n".join(f"| {g} | {v['before']['pass@1']:.3f} | [{v['before']['ci95'][0]:.2f}, {v['before']['ci95'][1]:.2f}] | "
@@ -330,5 +341,13 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                           "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))})
 
 
-ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation]
+# not computed by a step of its own: evaluation records each iteration's student, warm_start reads it
+POLICY = dg.AssetSpec(POLICY_KEY, group_name="iteration", owners=OWNERS, kinds={"python", "pytorch"},
+                      code_version=_code_version(evaluation.op.compute_fn.decorated_fn, "evaluation"),
+                      description="The policy one iteration hands to the next: iteration N's evaluation records its "
+                                  "student here (materialisation metadata: iteration, checkpoint), and iteration "
+                                  "N+1's warm start reads it")
+
+ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation,
+              POLICY]
 ALL_CHECKS = [triad_pass_rate, hack_probes]

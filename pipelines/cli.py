@@ -161,12 +161,18 @@ def cmd_envs_validate(args) -> int:
     except (FileNotFoundError, ValueError, SandboxUnavailable) as e:
         con.print(f"[red]error:[/red] {e}")
         return 2
-    reports = []
-    with Progress(console=con, transient=True) as prog:
-        task = prog.add_task("validating", total=len(specs))
-        for s in specs:
-            reports.append(validate(s, sandbox, probes=not args.no_probes))
+    from concurrent.futures import ThreadPoolExecutor
+
+    reports: list = [None] * len(specs)
+    # each validation is mostly sandboxed subprocesses waiting on limits: run `--workers` at once
+    with Progress(console=con, transient=True) as prog, ThreadPoolExecutor(args.workers) as pool:
+        task = prog.add_task(f"validating ({args.workers} at once)", total=len(specs))
+
+        def one(i: int) -> None:
+            reports[i] = validate(specs[i], sandbox, probes=not args.no_probes)
             prog.advance(task)
+
+        list(pool.map(one, range(len(specs))))
     acc = acceptance(reports)
     table = Table(title=f"environment validation ({sandbox.name} sandbox)")
     for col in ("family", "accepted", "total", "rate", "rejections"):
@@ -187,7 +193,7 @@ def cmd_envs_validate(args) -> int:
 def cmd_envs_show(args) -> int:
     from envs.dataset import read_dataset
 
-    specs = {s.id: s for s in read_dataset(args.dataset)}
+    specs = {s.id: s for s in read_dataset(args.dataset)}  # a missing dataset: FileNotFoundError, reported by main
     if args.id not in specs:
         print(f"error: no spec {args.id!r} in {args.dataset} (e.g. {', '.join(list(specs)[:3])})", file=sys.stderr)
         return 2
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("dataset")
     v.add_argument("--sandbox", default="auto", choices=["auto", "bwrap", "docker", "unsafe-subprocess"])
     v.add_argument("--no-probes", action="store_true")
+    v.add_argument("--workers", type=int, default=8, help="environments validated at once")
     v.add_argument("--out", default=None)
     v.set_defaults(fn=cmd_envs_validate)
     s = esub.add_parser("show", help="print one spec (public view unless --reveal)")
@@ -257,7 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     sv.set_defaults(fn=cmd_serve)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a re-launch under torchrun repeats
-    return args.fn(args)
+    if getattr(args, "workers", 1) < 1:
+        p.error("--workers must be at least 1")
+    import configs
+
+    try:
+        return args.fn(args)
+    except configs.ConfigError as e:  # a config mistake: the key, the reason and a "did you mean", no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # a path mistake
+        print(f"error: {e.filename or e}: no such file or directory" if e.filename else f"error: {e}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 
 from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, RolloutBackend, SandboxResource, TemperResource, TrainerBackend
@@ -13,7 +15,8 @@ from assets import ALL_ASSETS, ALL_CHECKS, ITERATIONS, RolloutBackend, SandboxRe
 def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend | None = None,
                    sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None) -> dict:
     """The iteration's resources (defaults: `tiny`, embedded servers, the preset's sandbox, torch)."""
-    return {"temper": temper or TemperResource(mlflow_ui="http://127.0.0.1:5000"), "pipes": dg.PipesSubprocessClient(),
+    ui = os.environ.get("TEMPER_MLFLOW_UI", "http://127.0.0.1:5000")  # `make ui` sets it from its --mlflow-port
+    return {"temper": temper or TemperResource(mlflow_ui=ui), "pipes": dg.PipesSubprocessClient(),
             "rollout": rollout or RolloutBackend(), "sandbox": sandbox or SandboxResource(),
             "trainer": trainer or TrainerBackend()}
 

@@ -22,21 +22,37 @@ def dagster_home(root: Path) -> Path:
     return home
 
 
-def main() -> int:
+def commands(root: Path, host: str, dagster_port: int, mlflow_port: int) -> list[list[str]]:
+    """The webserver, the daemon (sensors) and the MLflow server, on `host`."""
+    bin_ = Path(sys.executable).parent
+    workspace = str(Path(__file__).resolve().parents[1] / "workspace.yaml")
+    return [
+        [str(bin_ / "dagster-webserver"), "-w", workspace, "-h", host, "-p", str(dagster_port)],
+        [str(bin_ / "dagster-daemon"), "run", "-w", workspace],
+        [str(bin_ / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'runs' / 'pipeline' / 'mlflow.db'}"],
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="make ui", description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--dagster-port", type=int, default=3000)
+    ap.add_argument("--mlflow-port", type=int, default=5000)
+    args = ap.parse_args(argv)
     root = Path.cwd()
     home = dagster_home(root)
     (root / "runs" / "pipeline").mkdir(parents=True, exist_ok=True)
+    mlflow_ui = f"http://{args.host}:{args.mlflow_port}"
     env = {**os.environ, "DAGSTER_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true",
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DAGSTER_DISABLE_TELEMETRY": "true"}
-    bin_ = Path(sys.executable).parent
-    cmds = [
-        [str(bin_ / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", "3000"],
-        [str(bin_ / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        [str(bin_ / "mlflow"), "server", "--host", "127.0.0.1", "--port", "5000", "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'runs' / 'pipeline' / 'mlflow.db'}"],
-    ]
-    procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in cmds]
-    print("Dagster UI: http://127.0.0.1:3000  ·  MLflow UI: http://127.0.0.1:5000  (Ctrl-C to stop)", flush=True)
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DAGSTER_DISABLE_TELEMETRY": "true",
+           "TEMPER_MLFLOW_UI": mlflow_ui}  # run links in asset metadata point at this MLflow UI
+    procs = [subprocess.Popen(c, env=env, start_new_session=True)
+             for c in commands(root, args.host, args.dagster_port, args.mlflow_port)]
+    print(f"Dagster UI: http://{args.host}:{args.dagster_port}  ·  MLflow UI: {mlflow_ui}  (Ctrl-C to stop)",
+          flush=True)
     stop = {"now": False}
 
     def handler(signum, frame):

@@ -20,7 +20,7 @@ def test_definitions_load_and_validate():
     dg.Definitions.validate_loadable(defs)
     keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
     assert keys == {"env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts",
-                    "opd_student", "evaluation"}
+                    "opd_student", "evaluation", "policy"}
     assert defs.resolve_job_def("iteration").partitions_def == ITERATIONS
     assert {s.name for s in defs.sensors} == {"recurring_iterations", "next_iteration_on_evaluation"}
     graph = defs.resolve_asset_graph()
@@ -44,9 +44,12 @@ def test_lineage_is_the_data_flow():
                                                    for d in fn.decorator_list):
             reads[fn.name] = {c.args[1].value for c in ast.walk(fn) if isinstance(c, ast.Call)
                               and ast.unparse(c.func) == "_load" and isinstance(c.args[1], ast.Constant)}
+            if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_previous_student" for c in ast.walk(fn)):
+                reads[fn.name].add("policy")  # iteration N−1's student, from the `policy` records
     graph = defs.resolve_asset_graph()
     declared = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                 for k in graph.get_all_asset_keys()}
+    assert declared.pop("policy") == set()  # recorded by evaluation (a cycle if declared), read by warm_start
     assert set(reads) == set(declared)
     assert declared == reads
     assert declared["sao_experts"] == {"rewards", "warm_start", "verified_envs"}
@@ -75,7 +78,12 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     r2 = _run(instance, tmp_path, "2")
     assert r2.success
     ws2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["warm_start"]
-    assert ws2.materialization.metadata["parent_checkpoint"].value == student1  # iteration 2 starts from 1
+    parent = ws2.materialization.metadata["parent_checkpoint"].value
+    assert Path(parent).resolve() == Path(student1).resolve()  # iteration 2 starts from 1
+    recs = instance.fetch_materializations(dg.AssetKey("policy"), limit=10).records
+    assert [r.asset_materialization.metadata["iteration"].value for r in recs] == [2, 1]  # newest first
+    assert recs[1].asset_materialization.metadata["checkpoint"].value == str(Path(student1).resolve())
+    assert recs[1].run_id == r1.run_id  # recorded by iteration 1's run (its evaluation)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{(tmp_path / 'runs').resolve() / 'mlflow.db'}")
@@ -121,7 +129,7 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert len(loss) == mats["warm_start"].materialization.metadata["sft_steps"].value > 1  # one point per step
     assert [m.step for m in loss] == list(range(len(loss)))
     plotted = {k for k, e in mats.items() if any(m == "plot" or m.endswith("_plot") for m in e.materialization.metadata)}
-    assert plotted == set(mats), f"no plot on {set(mats) - plotted}"  # every materialisation carries one
+    assert plotted == set(mats) - {"policy"}, f"no plot on {set(mats) - plotted}"  # every stage carries one
     assert all(r.info.status == "FINISHED" for r in stages)
     art = client.list_artifacts(sft.info.run_id, "plots")
     root = (tmp_path / "runs" / "mlartifacts").resolve()

@@ -20,7 +20,7 @@ from procs import alive, find
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ["env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts", "opd_student",
-          "evaluation"]
+          "evaluation", "policy"]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -85,6 +85,11 @@ def test_browser_finds_every_asset(webserver, tmp_path):
             browser.close()
     assert set(ASSETS) <= names, f"asset graph shows {sorted(names)}"
     assert (tmp_path / "asset_graph.png").stat().st_size > 10_000
+    # the edge the graph draws from one iteration to the next: policy (evaluation records each student) → warm_start
+    q = "{ assetNodes { assetKey { path } dependencyKeys { path } } }"
+    nodes = httpx.post(webserver["url"] + "/graphql", json={"query": q}, timeout=60).json()["data"]["assetNodes"]
+    deps = {"/".join(n["assetKey"]["path"]): {"/".join(k["path"]) for k in n["dependencyKeys"]} for n in nodes}
+    assert "policy" in deps["warm_start"] and deps["policy"] == set()
 
 
 def test_cancelling_a_run_kills_the_pipes_child(webserver, tmp_path):
