@@ -2,12 +2,14 @@
 
 Thin bodies: read the config, run the stage, record metadata and MLflow. The long stages (validation, SFT,
 rollouts, SAO, OPD, evaluation) run as `python -m pipelines.step` subprocesses that report through Dagster
-Pipes, so cancelling a run kills them, and a retried step resumes from the stage's last checkpoint. Stage
-results are JSON files under `<run_root>/iteration-N/`, so each asset reads what its parents wrote.
+Pipes, so cancelling a run kills them, and a retried step resumes from the stage's last checkpoint. A stage's
+result comes back through Pipes (a message, and the child's own report of the materialisation) and is stored
+as the materialisation's `result` JSON metadata, with absolute paths; each asset reads its parents' results
+from there (`_upstream`). Copies under `<run_root>/iteration-N/*.json` are for people and `temper run`.
 
-Iteration N's warm start is iteration N−1's OPD student, looked up from the previous partition's
-materialisation (dynamic partitions cannot depend on themselves) and recorded as `parent_checkpoint`
-metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
+Iteration N's warm start is iteration N−1's OPD student, read from the `policy` asset, which iteration N−1's
+evaluation records (a partition cannot depend on an earlier partition of the same dynamic partitions), and
+shown as `parent_checkpoint` metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
@@ -50,11 +52,9 @@ def _asset(*, stage: str | None, kinds: tuple[str, ...] = (), **kw):
 
 
 def _save(d: Path, name: str, out: dict) -> None:
+    """A copy of the stage's result in the run directory, for people and `temper run`'s summary (downstream
+    assets read results from the materialisation metadata, not from these files)."""
     (d / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
-
-
-def _load(d: Path, name: str) -> dict:
-    return json.loads((d / f"{name}.json").read_text())
 
 
 def _meta(out: dict) -> dict:
@@ -64,13 +64,45 @@ def _meta(out: dict) -> dict:
 
 
 def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, sandbox: SandboxResource,
-           trainer: TrainerBackend, stage: str, result: Path, **kwargs) -> dict:
-    """Run `pipelines.stages.<stage>` in a Pipes subprocess; return the result it wrote."""
-    result.unlink(missing_ok=True)
-    pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step", stage], env=trainer.env(),
-              extras={"stage": stage, "preset": temper.preset_name, "overrides": temper.overrides + sandbox.overrides(),
-                      "kwargs": kwargs, "result": str(result)})
-    return json.loads(result.read_text())
+           trainer: TrainerBackend, stage: str, materialize: bool = True, **kwargs):
+    """Run `pipelines.stages.<stage>` in a Pipes subprocess. Returns (result, Pipes materialisation): the result
+    comes back as a Pipes message, and with `materialize` the child also reports the asset's materialisation
+    (the result as `result` JSON metadata, beside its scalar fields)."""
+    inv = pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step", stage], env=trainer.env(),
+                    extras={"stage": stage, "preset": temper.preset_name,
+                            "overrides": temper.overrides + sandbox.overrides(), "kwargs": kwargs,
+                            "materialize": materialize})
+    msgs = [m for m in inv.get_custom_messages() if isinstance(m, dict) and m.get("stage") == stage]
+    if not msgs:
+        raise dg.Failure(f"stage {stage} ended without reporting its result through Pipes")
+    return msgs[-1]["result"], (inv.get_materialize_result() if materialize else None)
+
+
+def _upstream(context, name: str) -> dict:
+    """The result of asset `name` for this iteration, from its latest materialisation's `result` metadata."""
+    it = _partition(context)
+    res = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), asset_partitions=[it]), limit=1)
+    if not res.records or "result" not in res.records[0].asset_materialization.metadata:
+        raise dg.Failure(f"{name} has no materialisation for iteration {it}: materialise it first")
+    return res.records[0].asset_materialization.metadata["result"].value
+
+
+def _materialize(pipes_result: dg.MaterializeResult | None, out: dict, meta: dict) -> dg.MaterializeResult:
+    """The asset's materialisation: what the child reported through Pipes (or, for in-process assets, the same
+    fields built here), plus the parent's MLflow link and plot."""
+    if pipes_result is None:
+        from pipelines.step import materialization_metadata
+
+        pipes_meta = {k: _raw(v) for k, v in materialization_metadata(json.loads(json.dumps(out, default=str))).items()}
+    else:
+        pipes_meta = dict(pipes_result.metadata or {})
+    return dg.MaterializeResult(metadata={**_meta(out), **pipes_meta, **meta})
+
+
+def _raw(v: dict):
+    t, x = v["type"], v["raw_value"]
+    return {"json": dg.MetadataValue.json, "path": dg.MetadataValue.path, "text": dg.MetadataValue.text}.get(t, lambda y: y)(x)
 
 
 def _iteration_run(temper: TemperResource, iteration: str) -> str:
@@ -123,7 +155,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     if out.get("train"):
         sets["sft"] = (out["sha256"], out["train"], "training")
     temper.tracker().log_datasets(_iteration_run(temper, it), {f"iteration-{it}-{k}": v for k, v in sets.items()})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+    return _materialize(None, out, meta)
 
 
 @_asset(stage="verified_envs", kinds=("bubblewrap",), deps=[env_specs], retry_policy=LONG_STEP_RETRY,
@@ -132,28 +164,29 @@ def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pip
                   sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    out = _stage(context, pipes, temper, sandbox, trainer, "verified_envs", d / "verified_envs.json",
-                 specs=_load(d, "env_specs"), out=str(d / "verified"))
+    out, reported = _stage(context, pipes, temper, sandbox, trainer, "verified_envs",
+                           specs=_upstream(context, "env_specs"), out=str(d / "verified"))
+    _save(d, "verified_envs", out)
     meta = _track(temper, it, "verified_envs", out, {"accepted": out["accepted"], "triad_pass_rate": out["triad_pass_rate"],
                                                      "accepted_probe_hits": out["accepted_probe_hits"],
                                                      **{k: v for k, v in out.items() if k.startswith("accepted_")}},
                   bars={"admitted share per family": {f: a["accepted"] / max(1, a["total"])
                                                       for f, a in out["acceptance"].items()}})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+    return _materialize(reported, out, meta)
 
 
 @dg.asset_check(asset=verified_envs, partitions_def=ITERATIONS, blocking=True,
                 description="Enough environments pass the verifier triad")
-def triad_pass_rate(context: dg.AssetCheckExecutionContext, temper: TemperResource) -> dg.AssetCheckResult:
-    out = _load(temper.dir(_partition(context)), "verified_envs")
+def triad_pass_rate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    out = _upstream(context, "verified_envs")
     ok = out["triad_pass_rate"] >= 0.5 and out["accepted"] > 0
     return dg.AssetCheckResult(passed=ok, metadata={"triad_pass_rate": out["triad_pass_rate"], "accepted": out["accepted"]})
 
 
 @dg.asset_check(asset=verified_envs, partitions_def=ITERATIONS, blocking=True,
                 description="No admitted environment rewards a hack probe")
-def hack_probes(context: dg.AssetCheckExecutionContext, temper: TemperResource) -> dg.AssetCheckResult:
-    out = _load(temper.dir(_partition(context)), "verified_envs")
+def hack_probes(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    out = _upstream(context, "verified_envs")
     return dg.AssetCheckResult(passed=out["accepted_probe_hits"] == 0,
                                metadata={"accepted_probe_hits": out["accepted_probe_hits"]})
 
@@ -184,12 +217,13 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     it = context.partition_key
     d = temper.dir(it)
     parent = _previous_student(context, it)
-    out = _stage(context, pipes, temper, sandbox, trainer, "warm_start", d / "warm_start.json",
-                 envs=_load(d, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
+    out, reported = _stage(context, pipes, temper, sandbox, trainer, "warm_start",
+                           envs=_upstream(context, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
+    _save(d, "warm_start", out)
     meta = _track(temper, it, "warm_start", out, {"sft_steps": out["sft_steps"]},
                   {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]})
     where = {"base": f"none (the shipped base {out['checkpoint']})", "sft": "none (SFT from scratch)"}
-    return dg.MaterializeResult(metadata={**_meta(out), **meta, "parent_checkpoint": parent or where[out["source"]]})
+    return _materialize(reported, out, {**meta, "parent_checkpoint": parent or where[out["source"]]})
 
 
 @_asset(stage="rollout_batches", kinds=("pytorch", "duckdb"), deps=[warm_start, verified_envs], pool="duckdb_writer",
@@ -199,15 +233,17 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
     it = context.partition_key
     d = temper.dir(it)
     cfg = temper.config()
-    with rollout.serving(cfg, _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
-        out = _stage(context, pipes, temper, sandbox, trainer, "rollout_batches", d / "rollout_batches.json",
-                     checkpoint=_load(d, "warm_start")["checkpoint"], envs=_load(d, "verified_envs"),
-                     store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
+    ws = _upstream(context, "warm_start")["checkpoint"]
+    with rollout.serving(cfg, ws) as (urls, router_url):
+        out, reported = _stage(context, pipes, temper, sandbox, trainer, "rollout_batches",
+                               checkpoint=ws, envs=_upstream(context, "verified_envs"),
+                               store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
+    _save(d, "rollout_batches", out)
     meta = _track(temper, it, "rollout_batches", out, {"trajectories": out["trajectories"], "tokens": out["tokens"],
                                                        "mean_reward": out["mean_reward"]},
                   {"backend": rollout.kind, "store": out["store"]},
                   bars={"mean reward per family": out["family_reward"]})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+    return _materialize(reported, out, meta)
 
 
 @_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches], pool="duckdb_writer",
@@ -218,7 +254,7 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     it = context.partition_key
     d = temper.dir(it)
     # the store is opened under the writer pool: DuckDB refuses a reader while another process writes
-    out = stages.rewards(temper.store_path(), int(it), _load(d, "rollout_batches").get("trajectory_ids"))
+    out = stages.rewards(temper.store_path(), int(it), _upstream(context, "rollout_batches").get("trajectory_ids"))
     _save(d, "rewards", out)
     flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
     flat.update({f"{dom}_mean_reward": v for dom, v in out["domain_reward"].items()})
@@ -226,7 +262,7 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     meta = _track(temper, it, "rewards", out, flat,
                   bars={"mean reward per family": {f: v["mean_reward"] for f, v in fams.items()},
                         "trajectories per family": {f: v["trajectories"] for f, v in fams.items()}})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+    return _materialize(None, out, meta)
 
 
 @_asset(stage="sao_expert", kinds=("pytorch", "duckdb"), deps=[rewards, warm_start, verified_envs],
@@ -237,8 +273,8 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    envs, ws = _load(d, "verified_envs"), _load(d, "warm_start")["checkpoint"]
-    scored = _load(d, "rewards").get("domains", {})
+    envs, ws = _upstream(context, "verified_envs"), _upstream(context, "warm_start")["checkpoint"]
+    scored = _upstream(context, "rewards").get("domains", {})
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
@@ -246,24 +282,28 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
             out[dom] = json.loads(res.read_text())
             continue
         with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
-            out[dom] = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", res, checkpoint=ws, envs=envs,
-                              domain=dom, out=str(d / "experts" / dom),
-                              domain_reward=scored.get(dom, {}).get("mean_reward"),
-                              warm_rollouts=scored.get(dom, {}).get("ids"),
-                              urls=urls, router_url=router_url, store_path=str(temper.store_path()),
-                              iteration=int(it))
+            out[dom], _ = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", materialize=False,
+                                 checkpoint=ws, envs=envs, domain=dom, out=str(d / "experts" / dom),
+                                 domain_reward=scored.get(dom, {}).get("mean_reward"),
+                                 warm_rollouts=scored.get(dom, {}).get("ids"),
+                                 urls=urls, router_url=router_url, store_path=str(temper.store_path()),
+                                 iteration=int(it))
+        res.parent.mkdir(parents=True, exist_ok=True)
+        tmp = res.with_suffix(".tmp")  # a retry of the asset keeps the finished experts
+        tmp.write_text(json.dumps(out[dom], indent=1))
+        tmp.replace(res)
         m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
                    {"checkpoint": out[dom]["checkpoint"], "init": ws, "skipped": out[dom].get("skipped") or "no"})
         if out[dom].get("skipped"):
             context.log.warning(f"no {dom} expert this iteration: {out[dom]['skipped']}")
         meta.update({f"{dom}_{k}": v for k, v in m.items()})
     _save(d, "sao_experts", out)
-    return dg.MaterializeResult(metadata={**{f"{k}_checkpoint": v["checkpoint"] for k, v in out.items()},
-                                          **{f"{k}_steps": v["steps"] for k, v in out.items()},
-                                          **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
-                                          **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
-                                          **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
-                                          **meta})
+    return _materialize(None, out, {**{f"{k}_checkpoint": dg.MetadataValue.path(v["checkpoint"]) for k, v in out.items()},
+                                    **{f"{k}_steps": v["steps"] for k, v in out.items()},
+                                    **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
+                                    **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
+                                    **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
+                                    **meta})
 
 
 @_asset(stage="opd_student", kinds=("pytorch", "duckdb"), deps=[sao_experts, warm_start, verified_envs],
@@ -273,18 +313,20 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    experts = {k: v["checkpoint"] for k, v in _load(d, "sao_experts").items() if v.get("steps", 0) > 0}
-    ws = _load(d, "warm_start")["checkpoint"]
+    experts = {k: v["checkpoint"] for k, v in _upstream(context, "sao_experts").items() if v.get("steps", 0) > 0}
+    ws = _upstream(context, "warm_start")["checkpoint"]
     with rollout.stage_serving(temper.config(), ws) as (urls, router_url), \
             rollout.teacher_serving(temper.config(), ws) as teacher_urls:  # the teachers' own servers
-        out = _stage(context, pipes, temper, sandbox, trainer, "opd_student", d / "opd_student.json",
-                     init=ws, experts=experts, envs=_load(d, "verified_envs"),
-                     out=str(d / "student"), urls=urls, router_url=router_url, store_path=str(temper.store_path()),
-                     iteration=int(it), teacher_urls=teacher_urls if experts else None)
+        out, reported = _stage(context, pipes, temper, sandbox, trainer, "opd_student",
+                               init=ws, experts=experts, envs=_upstream(context, "verified_envs"),
+                               out=str(d / "student"), urls=urls, router_url=router_url,
+                               store_path=str(temper.store_path()), iteration=int(it),
+                               teacher_urls=teacher_urls if experts else None)
+    _save(d, "opd_student", out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
                   {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}})
-    return dg.MaterializeResult(metadata={**_meta(out), **meta})
+    return _materialize(reported, out, meta)
 
 
 @_asset(stage="evaluation", kinds=("pytorch", "mlflow"),
@@ -294,14 +336,15 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    experts = _load(d, "sao_experts")
-    with rollout.stage_serving(temper.config(), _load(d, "warm_start")["checkpoint"]) as (urls, router_url):
-        out = _stage(context, pipes, temper, sandbox, trainer, "evaluation", d / "evaluation.json",
-                     student=_load(d, "opd_student")["checkpoint"], baseline=_load(d, "warm_start")["checkpoint"],
-                     envs=_load(d, "verified_envs"),
-                     experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},  # skipped: none
-                     urls=urls, router_url=router_url, store_path=str(temper.store_path()), out=str(d / "eval"),
-                     iteration=int(it))
+    experts = _upstream(context, "sao_experts")
+    ws = _upstream(context, "warm_start")["checkpoint"]
+    with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
+        out, reported = _stage(context, pipes, temper, sandbox, trainer, "evaluation",
+                               student=_upstream(context, "opd_student")["checkpoint"], baseline=ws,
+                               envs=_upstream(context, "verified_envs"),
+                               experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},
+                               urls=urls, router_url=router_url, store_path=str(temper.store_path()),
+                               out=str(d / "eval"), iteration=int(it))
     st = out["stats"]
     ci = {f"{w}_{g}_ci{e}": v[w]["ci95"][i] for g, v in st.items() for w in ("before", "after")
           for i, e in ((0, "lo"), (1, "hi"))}
@@ -334,7 +377,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     table += "\n".join(f"| {g} | {v['before']['pass@1']:.3f} | [{v['before']['ci95'][0]:.2f}, {v['before']['ci95'][1]:.2f}] | "
                        f"{v['after']['pass@1']:.3f} | [{v['after']['ci95'][0]:.2f}, {v['after']['ci95'][1]:.2f}] | "
                        f"{v['test']['gained']} | {v['test']['lost']} | {v['test']['p_value']:.4f} |" for g, v in st.items())
-    return dg.MaterializeResult(metadata={**_meta(out), **meta, "paired_comparison": dg.MetadataValue.md(table),
+    return _materialize(reported, out, {**meta, "paired_comparison": dg.MetadataValue.md(table),
                                           "champion_moved": reg["champion_moved"], "champion_reason": reg["reason"],
                                           "registered_model_uri": dg.MetadataValue.url(reg["model_uri"]),
                                           "logged_model_id": reg["model_id"],

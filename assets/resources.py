@@ -49,14 +49,19 @@ class TemperResource(dg.ConfigurableResource):
 
         return configs.load(self.preset_name, self.overrides)
 
+    def root(self) -> Path:
+        """The run root, absolute: every path an asset records is absolute."""
+        p = Path(self.run_root).expanduser().resolve()
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
     def dir(self, iteration: str) -> Path:
-        p = Path(self.run_root) / f"iteration-{int(iteration):04d}"
+        p = self.root() / f"iteration-{int(iteration):04d}"
         p.mkdir(parents=True, exist_ok=True)
         return p
 
     def store_path(self) -> Path:
-        Path(self.run_root).mkdir(parents=True, exist_ok=True)
-        return Path(self.run_root) / "trajectories.duckdb"
+        return self.root() / "trajectories.duckdb"
 
     def tracker(self):
         return _tracker(self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}")

@@ -1,8 +1,10 @@
 """One stage of an iteration in its own process, reporting to Dagster through Pipes.
 
 The assets launch `python -m pipelines.step <stage>` with `dagster.PipesSubprocessClient`; the extras name the
-stage, the preset and overrides, and the stage's arguments; the stage's result is written as JSON to the
-`result` path (atomically), and its progress goes to the run's log via `pipes.log`.
+stage, the preset and overrides, and the stage's arguments. The result comes back through Pipes: as a custom
+message (`{"stage", "result"}`) and, when the extras ask for it (`materialize`), as the asset's materialisation,
+with the result as its `result` JSON metadata beside the scalar fields; progress goes to the run's log via
+`pipes.log`.
 
 Cancellation: the child leads its own process group. On SIGINT or SIGTERM (what Dagster's Pipes client
 forwards when a run is cancelled), or when its parent dies, it kills the whole group — itself, the
@@ -60,19 +62,32 @@ def main() -> int:
         signal.signal(sig, _kill_group)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     with open_dagster_pipes() as pipes:
-        stage, result = pipes.get_extra("stage"), Path(pipes.get_extra("result"))
+        stage = pipes.get_extra("stage")
         t0 = time.perf_counter()
         pipes.log.info(f"stage {stage} started in pid {os.getpid()}")
         out = run_stage(stage, pipes.get_extra("preset"), list(pipes.get_extra("overrides")), pipes.get_extra("kwargs"),
                         pipes.log.info)
         out["seconds"] = round(time.perf_counter() - t0, 2)
-        result.parent.mkdir(parents=True, exist_ok=True)
-        tmp = result.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1, default=str))
-        os.replace(tmp, result)
+        out = json.loads(json.dumps(out, default=str))  # plain JSON: paths and numpy scalars as text / numbers
         pipes.log.info(f"stage {stage} finished in {out['seconds']:.1f} s")
-        pipes.report_custom_message({"stage": stage, "seconds": out["seconds"]})
+        pipes.report_custom_message({"stage": stage, "result": out})
+        if pipes.get_extra("materialize"):
+            pipes.report_asset_materialization(metadata=materialization_metadata(out))
     return 0
+
+
+def materialization_metadata(out: dict) -> dict:
+    """Pipes metadata of a stage result: every scalar field, and the whole result as `result` (JSON), which
+    downstream assets read."""
+    meta: dict = {"result": {"raw_value": out, "type": "json"}}
+    for k, v in out.items():
+        if isinstance(v, bool):
+            meta[k] = {"raw_value": v, "type": "bool"}
+        elif isinstance(v, int | float):
+            meta[k] = {"raw_value": v, "type": "float" if isinstance(v, float) else "int"}
+        elif isinstance(v, str):
+            meta[k] = {"raw_value": v, "type": "path" if os.path.isabs(v) and os.path.exists(v) else "text"}
+    return meta
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def test_definitions_load_and_validate():
 
 def test_lineage_is_the_data_flow():
     """Each asset's declared upstream assets are exactly the same-iteration results its body reads (parsed from
-    its source: `_load(d, "<asset>")`), so the lineage graph in the UI is the real data flow."""
+    its source: `_upstream(context, "<asset>")`), so the lineage graph in the UI is the real data flow."""
     import ast
     import inspect
 
@@ -43,7 +43,8 @@ def test_lineage_is_the_data_flow():
         if isinstance(fn, ast.FunctionDef) and any("asset" in ast.unparse(d) and "check" not in ast.unparse(d)
                                                    for d in fn.decorator_list):
             reads[fn.name] = {c.args[1].value for c in ast.walk(fn) if isinstance(c, ast.Call)
-                              and ast.unparse(c.func) == "_load" and isinstance(c.args[1], ast.Constant)}
+                              and ast.unparse(c.func) == "_upstream" and isinstance(c.args[1], ast.Constant)}
+            assert "_load" not in ast.unparse(fn)  # no side-file reads
             if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_previous_student" for c in ast.walk(fn)):
                 reads[fn.name].add("policy")  # iteration N−1's student, from the `policy` records
     graph = defs.resolve_asset_graph()
@@ -75,6 +76,11 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     mats = {e.asset_key.to_user_string(): e for e in r1.get_asset_materialization_events()}
     assert set(mats) >= {"env_specs", "verified_envs", "warm_start", "evaluation"}
     student1 = mats["opd_student"].materialization.metadata["checkpoint"].value
+    # results travel as materialisation metadata, reported by the Pipes child, with absolute paths
+    ws_meta = mats["warm_start"].materialization.metadata
+    assert isinstance(ws_meta["checkpoint"], dg.PathMetadataValue) and Path(ws_meta["checkpoint"].value).is_absolute()
+    assert ws_meta["result"].value["checkpoint"] == ws_meta["checkpoint"].value
+    assert mats["evaluation"].materialization.metadata["result"].value["student"] == student1
     r2 = _run(instance, tmp_path, "2")
     assert r2.success
     ws2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["warm_start"]
