@@ -1,7 +1,7 @@
 """Dagster assets of one post-training iteration (partitioned by iteration number).
 
 Thin bodies: read the config, run the stage, record metadata and MLflow. The long stages (validation, SFT,
-rollouts, SAO, OPD, evaluation) run as `python -m pipelines.step` subprocesses that report through Dagster
+rollouts, SAO, OPD, evaluation) run as `python -m stages.step` subprocesses that report through Dagster
 Pipes, so cancelling a run kills them, and a retried step resumes from the stage's last checkpoint. A stage's
 result comes back through Pipes (a message, and the child's own report of the materialisation) and is stored
 as the materialisation's `result` JSON metadata, with absolute paths; each asset reads its parents' results
@@ -30,7 +30,7 @@ POLICY_KEY = dg.AssetKey("policy")
 # a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
 LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 OWNERS = ["team:post-training"]
-_STAGES = Path(__file__).parents[1] / "pipelines" / "stages.py"
+_STAGES = Path(__file__).parents[1] / "stages" / "__init__.py"
 
 
 def _code_version(fn, stage: str | None) -> str:
@@ -65,10 +65,10 @@ def _meta(out: dict) -> dict:
 
 def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, sandbox: SandboxResource,
            trainer: TrainerBackend, stage: str, materialize: bool = True, **kwargs):
-    """Run `pipelines.stages.<stage>` in a Pipes subprocess. Returns (result, Pipes materialisation): the result
+    """Run `stages.<stage>` in a Pipes subprocess. Returns (result, Pipes materialisation): the result
     comes back as a Pipes message, and with `materialize` the child also reports the asset's materialisation
     (the result as `result` JSON metadata, beside its scalar fields)."""
-    inv = pipes.run(context=context, command=[sys.executable, "-m", "pipelines.step", stage], env=trainer.env(),
+    inv = pipes.run(context=context, command=[sys.executable, "-m", "stages.step", stage], env=trainer.env(),
                     extras={"stage": stage, "preset": temper.preset_name,
                             "overrides": temper.overrides + sandbox.overrides(), "kwargs": kwargs,
                             "materialize": materialize})
@@ -92,7 +92,7 @@ def _materialize(pipes_result: dg.MaterializeResult | None, out: dict, meta: dic
     """The asset's materialisation: what the child reported through Pipes (or, for in-process assets, the same
     fields built here), plus the parent's MLflow link and plot."""
     if pipes_result is None:
-        from pipelines.step import materialization_metadata
+        from stages.step import materialization_metadata
 
         pipes_meta = {k: _raw(v) for k, v in materialization_metadata(json.loads(json.dumps(out, default=str))).items()}
     else:
@@ -141,7 +141,7 @@ def _partition(context) -> str:
 
 @_asset(stage="env_specs", description="Task specs generated from the patterns")
 def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
+    import stages
 
     it = context.partition_key
     d = temper.dir(it)
@@ -249,7 +249,7 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
 @_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches], pool="duckdb_writer",
           description="Verifier rewards of the rollouts, per domain, family and status, read from the DuckDB store")
 def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    from pipelines import stages
+    import stages
 
     it = context.partition_key
     d = temper.dir(it)

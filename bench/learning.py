@@ -22,8 +22,8 @@ from pathlib import Path
 
 from common import table
 
+import stages
 from configs import load
-from pipelines import stages
 from trainers.stats import binom_two_sided, paired_delta_ci
 
 SEED_STRIDE = 104_729

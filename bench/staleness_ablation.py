@@ -41,7 +41,7 @@ from trainers.sft import evaluate
 
 def _actor(cfg, init: str | None):
     if init is None and cfg.base.checkpoint:  # the preset's shipped base: where iteration 1's RL starts
-        from pipelines.stages import resolve_base
+        from stages import resolve_base
 
         init = str(resolve_base(cfg.base.checkpoint))
     return load_checkpoint(init) if init else Transformer(cfg.model)

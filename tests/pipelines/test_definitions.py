@@ -235,3 +235,41 @@ def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, mon
     assert run("envs.n_train=0") == 1
     assert partitions() == ["1"]
     assert "iteration 1 did not finish: running it again" in " ".join(capsys.readouterr().out.split())
+
+
+def test_dg_scaffold_adds_a_definition_the_project_loads(tmp_path):
+    """`dg scaffold defs` writes into pipelines/defs/, and `load_from_defs_folder` picks the new file up."""
+    import subprocess
+    import sys
+    import uuid
+
+    root = Path(__file__).resolve().parents[2]
+    name = f"zz_scaffold_probe_{uuid.uuid4().hex[:8]}"
+    made = root / "pipelines" / "defs" / f"{name}.py"
+    dg_bin = Path(sys.executable).parent / "dg"
+    try:
+        r = subprocess.run([str(dg_bin), "scaffold", "defs", "dagster.asset", f"{name}.py"], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert made.is_file()
+        code = ("from pipelines.definitions import defs; "
+                "print(sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()))")
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+        assert name in out.stdout and "warm_start" in out.stdout, out.stderr[-2000:]
+    finally:
+        made.unlink(missing_ok=True)
+
+
+def test_no_room_below_pipelines_imports_it():
+    """The stage functions live in `stages/`, above `assets/`; nothing outside `pipelines/` imports `pipelines`."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    bad = []
+    for room in ("assets", "stages", "store", "trainers", "rollout", "envs", "model", "configs"):
+        for f in (root / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                bad += [f"{f.relative_to(root)}: {m}" for m in mods if m.split(".")[0] == "pipelines"]
+    assert bad == []

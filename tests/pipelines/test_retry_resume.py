@@ -25,7 +25,7 @@ def test_killed_sao_step_is_retried_and_resumes(tmp_path):
         deadline = time.time() + 240
         while time.time() < deadline and not killed:
             if state.exists() and complete_checkpoints(state):
-                for pid in find("pipelines.step", "sao_expert"):
+                for pid in find("stages.step", "sao_expert"):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
             time.sleep(0.05)

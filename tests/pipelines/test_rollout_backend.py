@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import configs
+import stages
 from assets import RolloutBackend
 from model import Transformer, save_checkpoint
-from pipelines import stages
 from rollout.backend import embedded_servers
 from store import TrajectoryStore
 

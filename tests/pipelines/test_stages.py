@@ -1,8 +1,8 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
 import configs
+import stages
 from envs.dataset import read_dataset
-from pipelines import stages
 
 
 def test_probe_every_and_eval_patterns(tmp_path):

@@ -111,7 +111,7 @@ def test_cancelling_a_run_kills_the_pipes_child(webserver, tmp_path):
                                                         "run_root": str(tmp_path / "runs")}}}})
     deadline, child = time.time() + 240, []
     while time.time() < deadline and not child:
-        child = find("pipelines.step", "warm_start")
+        child = find("stages.step", "warm_start")
         status = client.get_run_status(run_id)
         assert status not in (DagsterRunStatus.FAILURE, DagsterRunStatus.SUCCESS), f"run ended early: {status}"
         time.sleep(0.5)

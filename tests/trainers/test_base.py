@@ -83,7 +83,7 @@ def test_curriculum_batches_follow_the_stage_and_are_pure():
 def test_warm_start_uses_the_base_and_rejects_tampered_weights(tmp_path):
     import shutil
 
-    from pipelines import stages
+    import stages
 
     cfg = configs.load("tiny")
     out = stages.warm_start(cfg, {"train": None}, tmp_path / "ws", None)

@@ -20,9 +20,9 @@ import configs
 from envs import make_sandbox
 from envs.generator import generate
 from model import ByteTokenizer, Transformer, save_checkpoint, weights_checksum
-from pipelines.stages import Recorder
 from rollout.agent import AgentConfig
 from rollout.backend import ServerBackend, wait_healthy
+from stages import Recorder
 from store import TrajectoryStore
 from trainers.loop import LoopConfig, RLLoop
 from trainers.sao import SAOConfig

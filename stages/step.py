@@ -1,6 +1,6 @@
 """One stage of an iteration in its own process, reporting to Dagster through Pipes.
 
-The assets launch `python -m pipelines.step <stage>` with `dagster.PipesSubprocessClient`; the extras name the
+The assets launch `python -m stages.step <stage>` with `dagster.PipesSubprocessClient`; the extras name the
 stage, the preset and overrides, and the stage's arguments. The result comes back through Pipes: as a custom
 message (`{"stage", "result"}`) and, when the extras ask for it (`materialize`), as the asset's materialisation,
 with the result as its `result` JSON metadata beside the scalar fields; progress goes to the run's log via
@@ -41,7 +41,7 @@ def _watch_parent(parent: int) -> None:
 
 def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log) -> dict:
     import configs
-    from pipelines import stages
+    import stages
 
     fn = getattr(stages, stage, None)
     if stage.startswith("_") or not callable(fn):

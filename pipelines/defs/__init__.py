@@ -1,0 +1,1 @@
+"""Dagster definitions found by `dg.load_from_defs_folder` (so `dg scaffold defs …` adds files here)."""
