@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean sandbox-deps browser-deps ui
+.PHONY: run test lint bench clean sandbox-deps docker-deps browser-deps ui
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,21 @@ sandbox-deps:
 	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "bubblewrap is required: sudo apt-get install bubblewrap" >&2; exit 1; fi; }
 
+# The Docker sandbox and Pipes-in-containers need a Docker engine: install docker.io and start dockerd (as root,
+# vfs storage, no bridge: containers run with --network none) when none answers.
+docker-deps:
+	@command -v dockerd >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing docker.io"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null; \
+	  else echo "docker is required: sudo apt-get install docker.io" >&2; exit 1; fi; }
+	@docker info >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "starting dockerd"; mkdir -p runs; \
+	    nohup dockerd --storage-driver=vfs --iptables=false --bridge=none >runs/dockerd.log 2>&1 & \
+	    for i in $$(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
+	    docker info >/dev/null 2>&1 || { echo "dockerd did not start: see runs/dockerd.log" >&2; exit 1; }; \
+	  else echo "no Docker engine answers: start dockerd (sudo dockerd --storage-driver=vfs ...)" >&2; exit 1; fi; }
+
 # The browser test drives Debian's chromium headless through Playwright.
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -32,7 +47,7 @@ browser-deps:
 run: $(STAMP) sandbox-deps
 	$(BIN)/temper run --preset tiny
 
-test: $(STAMP) sandbox-deps browser-deps
+test: $(STAMP) sandbox-deps docker-deps browser-deps
 	$(BIN)/python -m pytest -q tests
 
 # Dagster and MLflow UIs on 127.0.0.1 (make ui DAGSTER_PORT=3100 MLFLOW_PORT=5100); Ctrl-C stops both.

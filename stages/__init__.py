@@ -121,7 +121,7 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     _dump(out / "validation.json", [r.to_dict() for r in reports])
     accepted = sum(r.accepted for r in reports)
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
-    return {**res, "accepted": accepted, "total": len(every),
+    return {**res, "accepted": accepted, "total": len(every), "sandbox": sb.name,
             "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
             "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
             "domains": sorted({s.domain for s in ok})}

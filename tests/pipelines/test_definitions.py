@@ -81,8 +81,11 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert isinstance(ws_meta["checkpoint"], dg.PathMetadataValue) and Path(ws_meta["checkpoint"].value).is_absolute()
     assert ws_meta["result"].value["checkpoint"] == ws_meta["checkpoint"].value
     assert mats["evaluation"].materialization.metadata["result"].value["student"] == student1
-    r2 = _run(instance, tmp_path, "2")
+    r2 = _run(instance, tmp_path, "2", FAST + ["envs.sandbox=docker"])  # iteration 2 runs agent code in Docker
     assert r2.success
+    ve2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["verified_envs"]
+    assert ve2.materialization.metadata["sandbox"].value == "docker"
+    assert mats["verified_envs"].materialization.metadata["sandbox"].value == "bwrap"
     ws2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["warm_start"]
     parent = ws2.materialization.metadata["parent_checkpoint"].value
     assert Path(parent).resolve() == Path(student1).resolve()  # iteration 2 starts from 1
