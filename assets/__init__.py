@@ -1,7 +1,7 @@
 """Dagster assets, checks and resources of the iteration (the only room below `pipelines/` that imports dagster)."""
 
 from .iteration import ALL_ASSETS, ALL_CHECKS, ITERATIONS
-from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
+from .resources import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
 
-__all__ = ["ALL_ASSETS", "ALL_CHECKS", "ITERATIONS", "RolloutBackend", "SandboxResource", "TemperResource",
-           "TrainerBackend"]
+__all__ = ["ALL_ASSETS", "ALL_CHECKS", "ITERATIONS", "RolloutBackend", "SandboxResource", "StageRunner",
+           "TemperResource", "TrainerBackend"]

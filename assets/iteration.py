@@ -23,7 +23,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from .resources import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
+from .resources import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
 POLICY_KEY = dg.AssetKey("policy")
@@ -63,15 +63,14 @@ def _meta(out: dict) -> dict:
             if v is not None and k not in skip}
 
 
-def _stage(context, pipes: dg.PipesSubprocessClient, temper: TemperResource, sandbox: SandboxResource,
+def _stage(context, pipes: StageRunner, temper: TemperResource, sandbox: SandboxResource,
            trainer: TrainerBackend, stage: str, materialize: bool = True, **kwargs):
     """Run `stages.<stage>` in a Pipes subprocess. Returns (result, Pipes materialisation): the result
     comes back as a Pipes message, and with `materialize` the child also reports the asset's materialisation
     (the result as `result` JSON metadata, beside its scalar fields)."""
-    inv = pipes.run(context=context, command=[sys.executable, "-m", "stages.step", stage], env=trainer.env(),
-                    extras={"stage": stage, "preset": temper.preset_name,
-                            "overrides": temper.overrides + sandbox.overrides(), "kwargs": kwargs,
-                            "materialize": materialize})
+    inv = pipes.run(context, stage, [sys.executable, "-m", "stages.step", stage], trainer.env(),
+                    {"stage": stage, "preset": temper.preset_name, "overrides": temper.overrides + sandbox.overrides(),
+                     "kwargs": kwargs, "materialize": materialize}, temper.root())
     msgs = [m for m in inv.get_custom_messages() if isinstance(m, dict) and m.get("stage") == stage]
     if not msgs:
         raise dg.Failure(f"stage {stage} ended without reporting its result through Pipes")
@@ -160,7 +159,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
 
 @_asset(stage="verified_envs", kinds=("bubblewrap",), deps=[env_specs], retry_policy=LONG_STEP_RETRY,
           description="Specs that passed the solvability judge, the triad and the hack probes (in the sandbox)")
-def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                   sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
@@ -212,7 +211,7 @@ def _domain_metrics(prefix: str, domains: dict) -> dict:
 
 @_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs, POLICY_KEY], retry_policy=LONG_STEP_RETRY,
           description="The policy this iteration starts from: SFT warm start (iteration 1) or the previous student")
-def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
@@ -228,7 +227,7 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
 
 @_asset(stage="rollout_batches", kinds=("pytorch", "duckdb"), deps=[warm_start, verified_envs], pool="duckdb_writer",
           retry_policy=LONG_STEP_RETRY, description="One rollout per verified environment, in the DuckDB trajectory store")
-def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                     sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
@@ -269,7 +268,7 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
           retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="One SAO-trained expert per domain, each from the warm start; its critic and first step "
                       "read the domain's scored rollouts back from the store")
-def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
@@ -309,7 +308,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
 @_asset(stage="opd_student", kinds=("pytorch", "duckdb"), deps=[sao_experts, warm_start, verified_envs],
           retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="The student distilled from the domain experts by multi-teacher on-policy distillation")
-def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
@@ -332,7 +331,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
 @_asset(stage="evaluation", kinds=("pytorch", "mlflow"),
         deps=[opd_student, sao_experts, warm_start, verified_envs], retry_policy=LONG_STEP_RETRY, pool="duckdb_writer",
           description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
-def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: dg.PipesSubprocessClient,
+def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)

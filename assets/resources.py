@@ -1,6 +1,7 @@
 """Dagster resources of the iteration: the config, the rollout backend, the sandbox and the trainer backend.
 
-The Pipes client (`pipes`) is Dagster's own `PipesSubprocessClient`; the trajectory store is a DuckDB file
+The Pipes runner (`pipes`) is Dagster's own `PipesSubprocessClient`, or dagster-docker's `PipesDockerClient` for
+stages that run in containers (`StageRunner`); the trajectory store is a DuckDB file
 under the run root whose writers share the `duckdb_writer` concurrency pool (limit 1 in dagster.yaml).
 """
 
@@ -174,6 +175,61 @@ class SandboxResource(dg.ConfigurableResource):
 
     def overrides(self) -> list[str]:
         return [f"envs.sandbox={self.kind}"] if self.kind else []
+
+
+class StageRunner(dg.ConfigurableResource):
+    """Where the long stages run, through Dagster Pipes.
+
+    `subprocess` (default): Dagster's `PipesSubprocessClient`, a child process on this machine. `docker`:
+    dagster-docker's `PipesDockerClient`, one container per stage (`stages`: which ones; empty: all). The image
+    defaults to temper's local skeleton image with this machine's interpreter, virtualenv and repository bound
+    read-only and the run root read-write at the same paths; `image` names another (one with temper installed).
+    The container shares the host network by default (`network`), so it reaches the rollout servers. A stage that
+    runs agent code needs a sandbox inside the container; give the container one (e.g. the engine's socket) or keep
+    those stages on `subprocess`."""
+
+    kind: Literal["subprocess", "docker"] = "subprocess"
+    stages: list[str] = []
+    image: str = ""
+    network: str = "host"
+
+    def containerized(self, stage: str) -> bool:
+        return self.kind == "docker" and (not self.stages or stage in self.stages)
+
+    def run(self, context, stage: str, command: list[str], env: dict[str, str], extras: dict, run_root: Path):
+        if not self.containerized(stage):
+            return dg.PipesSubprocessClient().run(context=context, command=command, env=env, extras=extras)
+        import sys
+
+        import docker
+        from dagster_docker import PipesDockerClient
+
+        from envs.sandbox import ensure_image
+
+        client = docker.from_env()
+        image = self.image or ensure_image(client)
+        repo = Path(__file__).resolve().parents[1]
+        ro = {str(p) for p in (Path(sys.prefix), Path(sys.base_prefix), repo)}
+        vols = {"/usr": {"bind": "/usr", "mode": "ro"}}
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if Path("/" + link).is_dir() and not Path("/" + link).is_symlink():
+                vols["/" + link] = {"bind": "/" + link, "mode": "ro"}
+        for f in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "passwd", "group",
+                  "hosts", "resolv.conf"):
+            if Path("/etc", f).exists():
+                vols[f"/etc/{f}"] = {"bind": f"/etc/{f}", "mode": "ro"}
+        vols.update({p: {"bind": p, "mode": "ro"} for p in sorted(ro)})
+        vols[str(run_root)] = {"bind": str(run_root), "mode": "rw"}
+        label = {"temper.stage": stage, "temper.dagster_run": context.run.run_id}
+        try:
+            return PipesDockerClient().run(
+                context=context, image=image, command=[sys.executable, *command[1:]], extras=extras,
+                env={"HOME": "/tmp", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", **env},
+                container_kwargs={"volumes": vols, "working_dir": str(repo), "network_mode": self.network,
+                                  "tmpfs": {"/tmp": "size=1g"}, "labels": label, "read_only": True})
+        finally:  # the client stops its container; remove it too
+            for c in client.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in label.items()]}):
+                c.remove(force=True)
 
 
 class TrainerBackend(dg.ConfigurableResource):

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets import RolloutBackend, SandboxResource, TemperResource, TrainerBackend
+from assets import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
 from pipelines.defs.automation import iteration_job, next_iteration_on_evaluation, recurring_iterations
 
 __all__ = ["defs", "iteration_job", "make_resources", "next_iteration_on_evaluation", "recurring_iterations"]
 
 
 def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend | None = None,
-                   sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None) -> dict:
+                   sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None,
+                   pipes: StageRunner | None = None) -> dict:
     """The iteration's resources (defaults: `tiny`, embedded servers, the preset's sandbox, torch)."""
     ui = os.environ.get("TEMPER_MLFLOW_UI", "http://127.0.0.1:5000")  # `make ui` sets it from its --mlflow-port
-    return {"temper": temper or TemperResource(mlflow_ui=ui), "pipes": dg.PipesSubprocessClient(),
+    return {"temper": temper or TemperResource(mlflow_ui=ui), "pipes": pipes or StageRunner(),
             "rollout": rollout or RolloutBackend(), "sandbox": sandbox or SandboxResource(),
             "trainer": trainer or TrainerBackend()}
 

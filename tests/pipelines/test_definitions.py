@@ -276,3 +276,28 @@ def test_no_room_below_pipelines_imports_it():
                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 bad += [f"{f.relative_to(root)}: {m}" for m in mods if m.split(".")[0] == "pipelines"]
     assert bad == []
+
+
+def test_a_stage_runs_in_a_docker_container_through_pipes(instance, tmp_path):
+    """`pipes: {kind: docker}`: the warm start (the shipped base, checked against its card) runs in a container
+    through dagster-docker's PipesDockerClient, reports its result and materialisation through Pipes, and the
+    container is gone afterwards."""
+    import docker
+
+    from assets import StageRunner
+
+    instance.add_dynamic_partitions(ITERATIONS.name, ["1"])
+    res = TemperResource(preset="tiny", overrides=["envs.n_rl=4", "envs.n_eval=2", "envs.probes=false"],
+                         run_root=str(tmp_path / "runs"))
+    sel = dg.AssetSelection.keys("env_specs", "verified_envs", "warm_start")
+    out = dg.materialize(ALL_ASSETS + ALL_CHECKS, selection=sel, partition_key="1", instance=instance,
+                         resources=make_resources(res, pipes=StageRunner(kind="docker", stages=["warm_start"])))
+    assert out.success
+    logs = [e.message for e in instance.all_logs(out.run_id) if "pid" in (e.message or "")]
+    ws = {e.asset_key.to_user_string(): e for e in out.get_asset_materialization_events()}["warm_start"]
+    meta = ws.materialization.metadata
+    assert meta["source"].value == "base" and meta["result"].value["checkpoint"] == meta["checkpoint"].value
+    assert any("stage warm_start started in pid 1" in m for m in logs)  # PID 1: its own container
+    assert any("stage verified_envs started in pid" in m and "pid 1\n" not in m for m in logs)
+    left = docker.from_env().containers.list(all=True, filters={"label": f"temper.dagster_run={out.run_id}"})
+    assert left == []
