@@ -188,17 +188,65 @@ class StageRunner(dg.ConfigurableResource):
     runs agent code needs a sandbox inside the container; give the container one (e.g. the engine's socket) or keep
     those stages on `subprocess`."""
 
-    kind: Literal["subprocess", "docker"] = "subprocess"
+    kind: Literal["subprocess", "docker", "k8s"] = "subprocess"
     stages: list[str] = []
     image: str = ""
     network: str = "host"
+    # k8s: one pod per stage in `namespace`, from `image` (temper installed, the repository at `workdir`); GPU
+    # stages request `gpus` nvidia.com/gpu each; the run root is a shared volume (`run_root_claim`, a PVC) mounted
+    # at the same path; `node_selector` and `tolerations` place the pods
+    namespace: str = "default"
+    workdir: str = "/opt/temper"
+    gpu_stages: list[str] = ["warm_start", "rollout_batches", "sao_expert", "opd_student", "evaluation"]
+    gpus: int = 1
+    cpu: str = "8"
+    memory: str = "64Gi"
+    run_root_claim: str = ""
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, str]] = []
 
     def containerized(self, stage: str) -> bool:
-        return self.kind == "docker" and (not self.stages or stage in self.stages)
+        return self.kind != "subprocess" and (not self.stages or stage in self.stages)
+
+    def pod_spec(self, stage: str, run_root: Path) -> dict:
+        """The base pod spec of `stage` for `PipesK8sClient` (k8s)."""
+        res = {"cpu": self.cpu, "memory": self.memory}
+        if stage in self.gpu_stages and self.gpus:
+            res["nvidia.com/gpu"] = str(self.gpus)
+        container = {"name": "stage", "working_dir": self.workdir, "resources": {"limits": res, "requests": res},
+                     "security_context": {"allow_privilege_escalation": False}}
+        spec: dict = {"restart_policy": "Never", "containers": [container]}
+        if self.run_root_claim:
+            container["volume_mounts"] = [{"name": "run-root", "mount_path": str(run_root)}]
+            spec["volumes"] = [{"name": "run-root", "persistent_volume_claim": {"claim_name": self.run_root_claim}}]
+        if self.node_selector:
+            spec["node_selector"] = dict(self.node_selector)
+        if self.tolerations:
+            spec["tolerations"] = [dict(t) for t in self.tolerations]
+        return spec
+
+    def pod(self, stage: str, command: list[str], env: dict[str, str], run_root: Path):
+        """The pod `PipesK8sClient` would create, built with dagster-k8s's own builder: a `V1Pod`, so a bad field
+        in the configuration fails here, before anything is submitted."""
+        from dagster_k8s.pipes import build_pod_body
+
+        if not self.image:
+            raise dg.Failure("pipes kind 'k8s' needs `image`: an image with temper installed")
+        return build_pod_body(f"temper-{stage.replace('_', '-')}", self.image, ["python", *command[1:]], env,
+                              {"labels": {"app.kubernetes.io/name": "temper", "temper/stage": stage.replace("_", "-")}},
+                              self.pod_spec(stage, run_root))
 
     def run(self, context, stage: str, command: list[str], env: dict[str, str], extras: dict, run_root: Path):
         if not self.containerized(stage):
             return dg.PipesSubprocessClient().run(context=context, command=command, env=env, extras=extras)
+        if self.kind == "k8s":
+            from dagster_k8s import PipesK8sClient
+
+            self.pod(stage, command, env, run_root)  # validated first
+            return PipesK8sClient().run(context=context, extras=extras, image=self.image,
+                                        command=["python", *command[1:]], namespace=self.namespace, env=env,
+                                        base_pod_meta={"labels": {"app.kubernetes.io/name": "temper"}},
+                                        base_pod_spec=self.pod_spec(stage, run_root))
         import sys
 
         import docker

@@ -301,3 +301,30 @@ def test_a_stage_runs_in_a_docker_container_through_pipes(instance, tmp_path):
     assert any("stage verified_envs started in pid" in m and "pid 1\n" not in m for m in logs)
     left = docker.from_env().containers.list(all=True, filters={"label": f"temper.dagster_run={out.run_id}"})
     assert left == []
+
+
+def test_k8s_stage_pods_render_and_validate(tmp_path):
+    """`pipes: {kind: k8s}` builds each stage's pod with dagster-k8s's own builder (a kubernetes `V1Pod`): GPU stages
+    request GPUs, the run root is the shared claim at the same path, and a misspelt field is refused before
+    anything would be submitted."""
+    from assets import StageRunner
+
+    run = StageRunner(kind="k8s", image="registry.example/temper:1", run_root_claim="temper-runs",
+                      node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+                      tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    cmd = ["/venv/bin/python", "-m", "stages.step", "sao_expert"]
+    pod = run.pod("sao_expert", cmd, {"OMP_NUM_THREADS": "8"}, tmp_path)
+    c = pod.spec.containers[0]
+    assert c.image == "registry.example/temper:1" and c.command == ["python", "-m", "stages.step", "sao_expert"]
+    assert c.resources.limits["nvidia.com/gpu"] == "1" and c.resources.requests["memory"] == "64Gi"
+    assert c.volume_mounts[0].mount_path == str(tmp_path)
+    assert pod.spec.volumes[0].persistent_volume_claim.claim_name == "temper-runs"
+    assert pod.spec.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H200"} and pod.spec.restart_policy == "Never"
+    assert {e.name: e.value for e in c.env}["OMP_NUM_THREADS"] == "8"
+    cpu_pod = run.pod("verified_envs", ["python", "-m", "stages.step", "verified_envs"], {}, tmp_path)
+    assert "nvidia.com/gpu" not in cpu_pod.spec.containers[0].resources.limits  # validation needs no GPU
+    bad = run.model_copy(update={"tolerations": [{"key": "x", "operatr": "Exists"}]})
+    with pytest.raises(Exception, match="operatr"):
+        bad.pod("sao_expert", cmd, {}, tmp_path)
+    with pytest.raises(dg.Failure, match="needs `image`"):
+        StageRunner(kind="k8s").pod("sao_expert", cmd, {}, tmp_path)
