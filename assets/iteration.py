@@ -64,13 +64,16 @@ def _meta(out: dict) -> dict:
 
 
 def _stage(context, pipes: StageRunner, temper: TemperResource, sandbox: SandboxResource,
-           trainer: TrainerBackend, stage: str, materialize: bool = True, **kwargs):
+           trainer: TrainerBackend, stage: str, materialize: bool = True, mlflow_stage: str | None = None, **kwargs):
     """Run `stages.<stage>` in a Pipes subprocess. Returns (result, Pipes materialisation): the result
     comes back as a Pipes message, and with `materialize` the child also reports the asset's materialisation
     (the result as `result` JSON metadata, beside its scalar fields)."""
+    it = _partition(context)
+    tr = temper.tracker()  # the child logs its training curves into the stage's MLflow run as it trains
+    live = {"uri": tr.uri, "run_id": tr.stage_run(_iteration_run(temper, it), it, mlflow_stage or stage)}
     inv = pipes.run(context, stage, [sys.executable, "-m", "stages.step", stage], trainer.env(),
                     {"stage": stage, "preset": temper.preset_name, "overrides": temper.overrides + sandbox.overrides(),
-                     "kwargs": kwargs, "materialize": materialize}, temper.root())
+                     "kwargs": kwargs, "materialize": materialize, "mlflow": live}, temper.root())
     msgs = [m for m in inv.get_custom_messages() if isinstance(m, dict) and m.get("stage") == stage]
     if not msgs:
         raise dg.Failure(f"stage {stage} ended without reporting its result through Pipes")
@@ -117,12 +120,14 @@ def _iteration_run(temper: TemperResource, iteration: str) -> str:
 
 
 def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,
-           params: dict | None = None, bars: dict[str, dict[str, float]] | None = None) -> dict:
-    """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation."""
+           params: dict | None = None, bars: dict[str, dict[str, float]] | None = None, live: bool = False) -> dict:
+    """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation. With
+    `live`, the child already logged its curves step by step as it trained: only the plot is made from them."""
     tr = temper.tracker()
     run = tr.stage_run(_iteration_run(temper, iteration), iteration, stage)
     curves = out.get("curves") or {}
-    tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params, steps=curves)
+    tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params,
+           steps=None if live else curves)
     meta = {"mlflow_run": dg.MetadataValue.url(temper.run_url(tr, run)) if temper.mlflow_ui
             else dg.MetadataValue.text(tr.run_link(run))}
     png = tr.log_plot(run, f"iteration {iteration} · {stage}", curves, temper.dir(iteration) / "plots" / f"{stage}.png",
@@ -220,7 +225,8 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                            envs=_upstream(context, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
     _save(d, "warm_start", out)
     meta = _track(temper, it, "warm_start", out, {"sft_steps": out["sft_steps"]},
-                  {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]})
+                  {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]},
+                  live=True)
     where = {"base": f"none (the shipped base {out['checkpoint']})", "sft": "none (SFT from scratch)"}
     return _materialize(reported, out, {**meta, "parent_checkpoint": parent or where[out["source"]]})
 
@@ -277,11 +283,12 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
-        if res.exists():  # finished before a retry: keep it
+        if res.exists():  # finished before a retry: keep it (its MLflow run was completed then)
             out[dom] = json.loads(res.read_text())
             continue
         with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
             out[dom], _ = _stage(context, pipes, temper, sandbox, trainer, "sao_expert", materialize=False,
+                                 mlflow_stage=f"sao_expert_{dom}",
                                  checkpoint=ws, envs=envs, domain=dom, out=str(d / "experts" / dom),
                                  domain_reward=scored.get(dom, {}).get("mean_reward"),
                                  warm_rollouts=scored.get(dom, {}).get("ids"),
@@ -292,7 +299,8 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
         tmp.write_text(json.dumps(out[dom], indent=1))
         tmp.replace(res)
         m = _track(temper, it, f"sao_expert_{dom}", out[dom], {"steps": out[dom]["steps"]},
-                   {"checkpoint": out[dom]["checkpoint"], "init": ws, "skipped": out[dom].get("skipped") or "no"})
+                   {"checkpoint": out[dom]["checkpoint"], "init": ws, "skipped": out[dom].get("skipped") or "no"},
+                   live=True)
         if out[dom].get("skipped"):
             context.log.warning(f"no {dom} expert this iteration: {out[dom]['skipped']}")
         meta.update({f"{dom}_{k}": v for k, v in m.items()})
@@ -324,7 +332,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     _save(d, "opd_student", out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
-                  {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}})
+                  {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}}, live=True)
     return _materialize(reported, out, meta)
 
 

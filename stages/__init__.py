@@ -14,6 +14,13 @@ def _quiet(msg: str) -> None:
     """Drop a progress message: the log of a stage run without one."""
 
 
+
+def _no_metrics(values: dict[str, float], step: int) -> None:
+    """Where a training stage reports each step's metrics as it trains (the Pipes child logs them to MLflow)."""
+
+
+SAO_CURVES = ("batch_reward", "clip_frac", "kl", "entropy", "value_loss", "mismatch_fresh_mean", "mismatch_fresh_max")
+
 def _dump(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=str))
@@ -150,7 +157,7 @@ def check_base(ckpt: Path) -> dict:
     return card
 
 
-def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet) -> dict:
+def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics) -> dict:
     """The policy this iteration starts from: iteration N−1's student, else the shipped base checkpoint
     (`base.checkpoint`), else — only when a preset has no base — SFT from scratch for `train.max_steps` steps on
     oracle trajectories (resumable from `out/state`)."""
@@ -197,6 +204,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
 
     def on_step(st) -> None:
         losses.append(round(st.loss, 5))
+        metrics({"sft_loss": losses[-1]}, len(losses) - 1)
         if trainer.step_no % save_every == 0:
             save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
                                 policy_version=0, data_cursor=trainer.step_no, keep=2,
@@ -273,7 +281,7 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
     return None
 
 
-def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet,
+def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet, metrics=_no_metrics,
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
                store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
@@ -319,6 +327,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     def on_step(st: dict) -> None:
         hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
         step = start + len(hist) - n0
+        metrics({k: hist[-1][k] for k in SAO_CURVES if k in hist[-1]}, len(hist) - 1)
         if step % cfg.loop.save_every == 0 or step == cfg.loop.steps:
             loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
             rec.flush(loop.consumption)
@@ -337,8 +346,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "updates": sum(1 for h in hist if h.get("updated")),
             "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
             "reward_curve": [h.get("batch_reward", 0.0) for h in hist],
-            "curves": {k: [h.get(k, 0.0) for h in hist] for k in ("batch_reward", "clip_frac", "kl", "entropy", "value_loss",
-                                                                   "mismatch_fresh_mean", "mismatch_fresh_max")},
+            "curves": {k: [h.get(k, 0.0) for h in hist] for k in SAO_CURVES},
             "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
             "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
             "stored_consumption": rec.rows, **_mismatch_summary(hist)}
@@ -378,7 +386,7 @@ def _mismatch_summary(hist: list[dict]) -> dict:
     return out
 
 
-def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet,
+def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet, metrics=_no_metrics,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
                 iteration: int = 0, teacher_urls: list[str] | None = None) -> dict:
     """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`.
@@ -439,6 +447,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
                                     "outcome": outcome})
             st = trainer.step(trajs, current_version=version)
             hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
+            metrics({k: hist[-1][k] for k in ("reverse_kl", "clip_frac", "reward_mean") if k in hist[-1]}, len(hist) - 1)
             version += 1
             backend.push(student, version)
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:

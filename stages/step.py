@@ -39,7 +39,7 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log) -> dict:
+def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log, metrics=None) -> dict:
     import configs
     import stages
 
@@ -50,7 +50,23 @@ def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log) 
     args = {k: (Path(v) if k in PATH_ARGS else v) for k, v in kwargs.items()}
     import inspect
 
-    return fn(cfg, **args, log=log) if "log" in inspect.signature(fn).parameters else fn(cfg, **args)
+    params = inspect.signature(fn).parameters
+    if "log" in params:
+        args["log"] = log
+    if metrics is not None and "metrics" in params:
+        args["metrics"] = metrics
+    return fn(cfg, **args)
+
+
+def live_metrics(spec: dict | None):
+    """A `metrics(values, step)` callback that logs each training step to the stage's MLflow run as it happens
+    (`spec`: {"uri", "run_id"} from the parent), or None."""
+    if not spec:
+        return None
+    from store.tracking import Tracker
+
+    tracker = Tracker(spec["uri"])
+    return lambda values, step: tracker.log_step(spec["run_id"], values, step)
 
 
 def main() -> int:
@@ -66,7 +82,7 @@ def main() -> int:
         t0 = time.perf_counter()
         pipes.log.info(f"stage {stage} started in pid {os.getpid()}")
         out = run_stage(stage, pipes.get_extra("preset"), list(pipes.get_extra("overrides")), pipes.get_extra("kwargs"),
-                        pipes.log.info)
+                        pipes.log.info, live_metrics(pipes.extras.get("mlflow")))
         out["seconds"] = round(time.perf_counter() - t0, 2)
         out = json.loads(json.dumps(out, default=str))  # plain JSON: paths and numpy scalars as text / numbers
         pipes.log.info(f"stage {stage} finished in {out['seconds']:.1f} s")

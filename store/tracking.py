@@ -113,6 +113,13 @@ class Tracker:
         for i in range(0, max(len(ms), 1), 900):
             self.client.log_batch(run_id, metrics=ms[i : i + 900], params=ps if i == 0 else [])
 
+    def log_step(self, run_id: str, values: dict[str, float], step: int) -> None:
+        """One training step's metrics, stamped now: curves that grow while the stage trains."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 

@@ -137,6 +137,11 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     loss = client.get_metric_history(sft.info.run_id, "sft_loss")
     assert len(loss) == mats["warm_start"].materialization.metadata["sft_steps"].value > 1  # one point per step
     assert [m.step for m in loss] == list(range(len(loss)))
+    # logged live by the Pipes child as it trained, before the parent logged the stage's summary afterwards
+    done = client.get_metric_history(sft.info.run_id, "sft_steps")[0].timestamp
+    assert all(m.timestamp < done for m in loss) and loss == sorted(loss, key=lambda m: m.timestamp)
+    sao = [r for r in stages if r.data.tags["temper_stage"].startswith("sao_expert_")]
+    assert sao and all(len(client.get_metric_history(r.info.run_id, "batch_reward")) == 1 for r in sao)  # loop.steps=1
     plotted = {k for k, e in mats.items() if any(m == "plot" or m.endswith("_plot") for m in e.materialization.metadata)}
     assert plotted == set(mats) - {"policy"}, f"no plot on {set(mats) - plotted}"  # every stage carries one
     assert all(r.info.status == "FINISHED" for r in stages)
