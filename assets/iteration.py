@@ -251,7 +251,7 @@ def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, p
     return _materialize(reported, out, meta)
 
 
-@_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches], pool="duckdb_writer",
+@_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches, verified_envs], pool="duckdb_writer",
           description="Verifier rewards of the rollouts, per domain, family and status, read from the DuckDB store")
 def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
     import stages
@@ -259,7 +259,12 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     it = context.partition_key
     d = temper.dir(it)
     # the store is opened under the writer pool: DuckDB refuses a reader while another process writes
-    out = stages.rewards(temper.store_path(), int(it), _upstream(context, "rollout_batches").get("trajectory_ids"))
+    envs = _upstream(context, "verified_envs")
+    out = stages.rewards(temper.store_path(), int(it), _upstream(context, "rollout_batches").get("trajectory_ids"),
+                         rl_set_dir=stages.rl_set(envs), mine_every=temper.config().envs.mine_every)
+    if out["quarantined"]:
+        context.log.warning(f"quarantined {len(out['quarantined'])} environment(s) the miner flagged: "
+                            f"{out['miner_flags']}")
     _save(d, "rewards", out)
     flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
     flat.update({f"{dom}_mean_reward": v for dom, v in out["domain_reward"].items()})
@@ -279,7 +284,8 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     it = context.partition_key
     d = temper.dir(it)
     envs, ws = _upstream(context, "verified_envs"), _upstream(context, "warm_start")["checkpoint"]
-    scored = _upstream(context, "rewards").get("domains", {})
+    rew = _upstream(context, "rewards")
+    scored, quarantined = rew.get("domains", {}), rew.get("quarantined", [])
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
@@ -292,6 +298,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                  checkpoint=ws, envs=envs, domain=dom, out=str(d / "experts" / dom),
                                  domain_reward=scored.get(dom, {}).get("mean_reward"),
                                  warm_rollouts=scored.get(dom, {}).get("ids"),
+                                 quarantine=quarantined,
                                  urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                  iteration=int(it))
         res.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +327,9 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    experts = {k: v["checkpoint"] for k, v in _upstream(context, "sao_experts").items() if v.get("steps", 0) > 0}
+    sao = _upstream(context, "sao_experts")
+    experts = {k: v["checkpoint"] for k, v in sao.items() if v.get("steps", 0) > 0}
+    quarantine = sorted({q for v in sao.values() for q in v.get("quarantined", [])})  # what the miner flagged
     ws = _upstream(context, "warm_start")["checkpoint"]
     with rollout.stage_serving(temper.config(), ws) as (urls, router_url), \
             rollout.teacher_serving(temper.config(), ws) as teacher_urls:  # the teachers' own servers
@@ -328,7 +337,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                init=ws, experts=experts, envs=_upstream(context, "verified_envs"),
                                out=str(d / "student"), urls=urls, router_url=router_url,
                                store_path=str(temper.store_path()), iteration=int(it),
-                               teacher_urls=teacher_urls if experts else None)
+                               teacher_urls=teacher_urls if experts else None, quarantine=quarantine)
     _save(d, "opd_student", out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},

@@ -26,6 +26,7 @@ class EnvConfig(BaseModel):
     rl_seed: int = 20_011
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
+    mine_every: int = Field(default=1, gt=0)  # the trajectory miner reads every k-th rewarded rollout (1: all)
     probe_every: int = Field(default=1, gt=0)  # hack-probe every k-th environment (1: all); the triad runs on all
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
 

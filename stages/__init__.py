@@ -252,10 +252,16 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
                               for f in sorted({t.family for t in trajs})}}
 
 
-def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None = None) -> dict:
+def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None = None, rl_set_dir: str | None = None,
+            mine_every: int = 1) -> dict:
     """The verifier rewards of `rollout_batches`' trajectories (`trajectory_ids`; None: all of the iteration's),
     read back from the store: counts and mean reward per family and status, and per domain with the ids that
-    SAO reads back (its critic pre-training and first batch)."""
+    SAO reads back (its critic pre-training and first batch).
+
+    With the RL set (`rl_set_dir`), the trajectory miner also runs on every `mine_every`-th rewarded rollout: an
+    environment whose reward came with a hack's signature (no essential action, a path outside the workspace,
+    test machinery written) is quarantined: listed with its flags, and its rollouts left out of the ids SAO reads
+    back; SAO and OPD skip it."""
     from store import TrajectoryStore
 
     with TrajectoryStore(store_path, read_only=True) as st:
@@ -263,9 +269,53 @@ def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None =
             trajectory_ids = st.read_arrow(iteration)[0].column("trajectory_id").to_pylist()
         out = st.stats(iteration, ids=trajectory_ids)
         doms = st.domain_rewards(trajectory_ids, iteration)
+        rewarded = ([t for t in st.read(iteration, ids=trajectory_ids) if t.reward > 0 and t.status == "completed"]
+                    if rl_set_dir else [])
+    flagged: dict[str, list[str]] = {}
+    if rl_set_dir:
+        from envs.dataset import read_dataset
+        from envs.gate import mine
+
+        specs = {s.id: s for s in read_dataset(rl_set_dir)}
+        sample = sorted(rewarded, key=lambda t: t.trajectory_id)[::max(1, mine_every)]
+        for t in sample:
+            spec = specs.get(t.env_id)
+            flags = mine(spec, trajectory_actions(t), t.reward) if spec is not None else ["environment not in the RL set"]
+            if flags:
+                flagged.setdefault(t.env_id, []).extend(f for f in flags if f not in flagged.get(t.env_id, []))
+        out["mined"] = len(sample)
+    quarantined = sorted(flagged)
+    if quarantined:
+        with TrajectoryStore(store_path, read_only=True) as st:
+            drop = {t.trajectory_id for t in st.read(iteration, ids=trajectory_ids) if t.env_id in flagged}
+        for d in doms.values():
+            d["ids"] = [i for i in d["ids"] if i not in drop]
     out["domains"] = doms
     out["domain_reward"] = {d: v["mean_reward"] for d, v in doms.items()}
+    out["quarantined"] = quarantined
+    out["miner_flags"] = flagged
     return out
+
+
+def trajectory_actions(t) -> list:
+    """The tool calls of a stored trajectory: each run of generated tokens, decoded and parsed (calls that do not
+    parse are left out: the environment refused them too)."""
+    from envs.actions import Action, parse_action
+    from model import ByteTokenizer
+
+    tok = ByteTokenizer()
+    acts = []
+    for seg in t.segments:
+        run: list[int] = []
+        for tid, trainable in [*zip(seg.tokens, seg.loss_mask), (None, False)]:
+            if trainable:
+                run.append(tid)
+            elif run:
+                a = parse_action(tok.decode(run, skip_special=True))
+                if isinstance(a, Action):
+                    acts.append(a)
+                run = []
+    return acts
 
 
 def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
@@ -283,7 +333,8 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
 
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet, metrics=_no_metrics,
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
-               store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None) -> dict:
+               store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None,
+               quarantine: list[str] | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
@@ -302,7 +353,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from trainers.loop import RLLoop
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain]
+    specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain and s.id not in set(quarantine or ())]
     reason = skip_reason(cfg, domain, domain_reward) or (None if specs else f"{domain}: no admitted RL environments")
     if reason or cfg.loop.steps == 0:
         log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
@@ -349,7 +400,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in SAO_CURVES},
             "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
             "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
-            "stored_consumption": rec.rows, **_mismatch_summary(hist)}
+            "stored_consumption": rec.rows, "quarantined": sorted(quarantine or []), **_mismatch_summary(hist)}
 
 
 def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[str] | None) -> list:
@@ -388,7 +439,7 @@ def _mismatch_summary(hist: list[dict]) -> dict:
 
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet, metrics=_no_metrics,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
-                iteration: int = 0, teacher_urls: list[str] | None = None) -> dict:
+                iteration: int = 0, teacher_urls: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
     """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`.
     The student's episodes run on the rollout backend (servers at `urls`, else in-process), which gets the
     student after every step; every trajectory and its consuming step go to the store. With `teacher_urls`
@@ -411,7 +462,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     student = load_checkpoint(init)
-    specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts]
+    specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts and s.id not in set(quarantine or ())]
     if teacher_urls:
         from rollout.backend import ServerTeacherPool
 

@@ -66,3 +66,48 @@ def test_each_iteration_draws_fresh_rl_environments_and_the_same_held_out_set(tm
     h1, h2 = read_dataset(one["eval"]), read_dataset(two["eval"])
     assert [s.spec_hash for s in h1] == [s.spec_hash for s in h2]
     assert not {s.spec_hash for s in read_dataset(one["rl"])} & {s.spec_hash for s in read_dataset(two["rl"])}
+
+
+def test_the_miner_reads_rewarded_rollouts_and_quarantines_the_hacked_environment(tmp_path):
+    """A rollout rewarded without the family's essential action (a calc-chain answer submitted without one `calc`)
+    gets its environment quarantined: listed with the miner's flag, and its rollouts left out of what SAO reads
+    back. A genuine rewarded rollout and an unrewarded shortcut flag nothing; `mine_every` samples."""
+    from envs import FAMILIES, Action
+    from envs.dataset import write_dataset
+    from model import ByteTokenizer
+    from rollout.types import Segment, Trajectory
+    from store import TrajectoryStore
+
+    tok = ByteTokenizer()
+    specs = [FAMILIES["calc-chain"].make(i, {"horizon": 1}) for i in range(3)]
+    write_dataset(specs, tmp_path / "rl")
+
+    def traj(i, spec, actions, reward):
+        toks, mask = tok.encode("task: "), []
+        mask = [False] * len(toks)
+        for a in actions:
+            body = tok.encode(a.render())
+            toks += body + tok.encode("\nobs\n")
+            mask += [True] * len(body) + [False] * len(tok.encode("\nobs\n"))
+        versions = [1 if m else -1 for m in mask]
+        return Trajectory(f"t{i}", spec.id, spec.family, spec.domain, spec.spec_hash, spec.verifier_hash, 1,
+                          [Segment(toks, mask, [-0.5 if m else 0.0 for m in mask], versions)], reward)
+
+    calc = Action("calc", {"expr": "1+2"})
+    answer = Action("submit", {"answer": "3"})
+    trajs = [traj(0, specs[0], [calc, answer], 1.0),  # genuine
+             traj(1, specs[1], [answer], 1.0),  # rewarded without calc: a hack's signature
+             traj(2, specs[2], [answer], 0.0)]  # the same shortcut, unrewarded: nothing to flag
+    with TrajectoryStore(tmp_path / "s.duckdb") as st:
+        st.write(trajs)
+    assert [a.tool for a in stages.trajectory_actions(trajs[0])] == ["calc", "submit"]
+    out = stages.rewards(tmp_path / "s.duckdb", 1, ["t0", "t1", "t2"], rl_set_dir=str(tmp_path / "rl"))
+    assert out["mined"] == 2 and out["quarantined"] == [specs[1].id]
+    assert out["miner_flags"] == {specs[1].id: ["rewarded without essential action calc"]}
+    assert sorted(out["domains"]["math"]["ids"]) == ["t0", "t2"]  # the quarantined env's rollout is left out
+    assert out["domain_reward"]["math"] == 2 / 3  # the measured reward is still what happened
+    plain = stages.rewards(tmp_path / "s.duckdb", 1, ["t0", "t1", "t2"])
+    assert plain["quarantined"] == [] and sorted(plain["domains"]["math"]["ids"]) == ["t0", "t1", "t2"]
+    sampled = stages.rewards(tmp_path / "s.duckdb", 1, ["t0", "t1", "t2"], rl_set_dir=str(tmp_path / "rl"),
+                             mine_every=2)
+    assert sampled["mined"] == 1 and sampled["quarantined"] == []  # t0 only (every 2nd of t0, t1)
