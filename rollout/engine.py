@@ -507,6 +507,8 @@ class Engine:
     def _speculate_one(self, r: GenRequest) -> None:
         p = r.params
         k = min(self.spec_drafts, p.max_new_tokens - len(r.output_ids) - 1, self.max_len - len(r.context()) - 1)
+        if len(r.output_ids) < p.min_new_tokens and self._stop_ids(r):
+            k = 0  # drafts could propose (and accept) a stop token too early: decode plainly, with it masked
         if k <= 0:
             self._forward([r], chunked=False)
             return

@@ -28,11 +28,22 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # torch generators take 64 bits
     skip_special_tokens: bool = True
+    # SGLang's fields, as slime sends them: keep the matched stop string in the text (`no_stop_trim`); spaces
+    # between special tokens in decoded text (byte-level decoding writes none either way)
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
 
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, v: Any) -> Any:
+        if v is None:  # SGLang's `"stop": null`
+            return []
         return [v] if isinstance(v, str) else v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _no_stop_ids(cls, v: Any) -> Any:
+        return [] if v is None else v
 
     @property
     def greedy(self) -> bool:

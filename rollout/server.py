@@ -236,8 +236,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     def text_of(r: GenRequest) -> str:
         text = engine.tok.decode(r.output_ids, skip_special=r.params.skip_special_tokens)
         m = (r.finish or {}).get("matched")
-        if isinstance(m, str) and m in text:
-            text = text[: text.index(m)]
+        if isinstance(m, str) and m in text:  # SGLang trims the matched stop string unless `no_stop_trim`
+            text = text[: text.index(m) + (len(m) if r.params.no_stop_trim else 0)]
         return text
 
     # ---- native ----------------------------------------------------------------------------------
@@ -389,6 +389,17 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         app.get(path)(model_info)
     for path in ("/server_info", "/get_server_info"):
         app.get(path)(server_info)
+
+    def loads():
+        """SGLang's load report: one entry per data-parallel rank (one here)."""
+        ld = engine.load()
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": ld["running"], "num_waiting_reqs": ld["waiting"],
+                           "num_reqs": ld["running"] + ld["waiting"], "num_free_slots": ld["free_slots"],
+                           "max_running_requests": engine.n_slots, "weight_version": str(ld["version"]),
+                           "paused": ld["paused"]}]}
+
+    app.get("/v1/loads")(loads)
+    app.get("/get_load")(lambda: loads()["loads"])
 
     @app.get("/v1/models")
     async def models():

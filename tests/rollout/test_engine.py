@@ -232,3 +232,17 @@ def test_engine_thread_serves_concurrent_callers(micro_model):
         assert all(out[i] == full_forward_greedy(micro_model, PROMPTS[i % 4], 8) for i in range(6))
     finally:
         eng.shutdown()
+
+
+def test_min_new_tokens_holds_with_mtp_speculation(micro_model):
+    """With MTP drafts, a stop token is neither drafted into nor accepted before `min_new_tokens`: the output
+    equals plain decoding's, token for token, and the engine speculates again after the minimum."""
+    free = _run(Engine(micro_model, n_slots=2, max_len=96, start=False), [GenRequest(PROMPTS[0], _greedy(20))])[0]
+    stop = free.output_ids[1]  # greedy decoding wants it at position 1
+    want = _run(Engine(micro_model, n_slots=2, max_len=96, start=False),
+                [GenRequest(PROMPTS[0], _greedy(20, min_new_tokens=8, stop_token_ids=[stop]))])[0]
+    spec = Engine(micro_model, n_slots=2, max_len=96, start=False, spec_drafts=3)
+    got = _run(spec, [GenRequest(PROMPTS[0], _greedy(20, min_new_tokens=8, stop_token_ids=[stop]))])[0]
+    assert len(got.output_ids) >= 8 and stop not in got.output_ids[:7]
+    assert got.output_ids == want.output_ids and got.finish == want.finish
+    assert spec.stats.spec_verifies > 0 or len(got.output_ids) <= 9

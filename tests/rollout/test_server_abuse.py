@@ -171,3 +171,26 @@ def test_a_client_that_goes_away_takes_its_work_with_it(server):
             eng.resume()
     with _http(srv) as c:  # and the server serves on
         assert c.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_sglang_request_fields_as_slime_sends_them(server):
+    """slime's default request: `no_stop_trim`, `spaces_between_special_tokens`, a null `stop` and null
+    `stop_token_ids` are accepted and mean what they mean in SGLang; `/v1/loads` reports the engine's load."""
+    srv, eng = server
+    with _http(srv) as c:
+        base = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}}
+        free = c.post("/generate", json=base).json()["text"]
+        assert len(free) >= 3
+        stop = free[1:3]  # a stop string the greedy text is known to contain
+        sp = {**base["sampling_params"], "stop": [stop]}
+        trimmed = c.post("/generate", json={**base, "sampling_params": sp}).json()
+        kept = c.post("/generate", json={**base, "sampling_params": {**sp, "no_stop_trim": True,
+                                                                       "spaces_between_special_tokens": True}}).json()
+        assert trimmed["text"] == free[:free.index(stop)]
+        assert kept["text"] == free[:free.index(stop)] + stop
+        nulls = {**base["sampling_params"], "stop": None, "stop_token_ids": None, "skip_special_tokens": True}
+        r = c.post("/generate", json={**base, "sampling_params": nulls})
+        assert r.status_code == 200 and r.json()["text"] == free
+        ld = c.get("/v1/loads").json()["loads"]
+        assert ld[0]["dp_rank"] == 0 and ld[0]["num_running_reqs"] == 0 and ld[0]["max_running_requests"] == 4
+        assert c.get("/get_load").json() == ld
