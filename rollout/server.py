@@ -479,8 +479,11 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         sent = ""
         first = True
         async for kind in chunks(r):
-            text = text_of(r)
-            delta, sent = text[len(sent):], text
+            text = text_of(r) if (kind == "finish" or r.finish) else settled(text_of(r), r.params.stop)
+            if text.startswith(sent):
+                delta, sent = text[len(sent):], text
+            else:  # the request finished while this view was taken: nothing new now, the final event sends the rest
+                delta = ""
             fin = finish_reason(r) if kind == "finish" else None
             if chat:
                 d = {"content": delta}
@@ -495,6 +498,21 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     app.state.engine = engine
     return app
+
+
+def settled(text: str, stops: list[str]) -> str:
+    """The part of an unfinished output that cannot change any more: without a trailing incomplete UTF-8 character
+    (decoded as U+FFFD until its last byte arrives) and without a trailing piece that could be the start of a stop
+    string (trimmed from the text if the stop completes). Streaming only this makes the streamed text equal the
+    non-streamed one."""
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for st in stops:
+        for n in range(min(len(st) - 1, len(text)), 0, -1):
+            if text.endswith(st[:n]):
+                hold = max(hold, n)
+                break
+    return text[: len(text) - hold]
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, n_slots: int = 16, max_len: int = 2048,
