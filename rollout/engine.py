@@ -342,6 +342,10 @@ class Engine:
             common = 0
             old = self.slot_tokens[slot]
             lim = min(len(old), len(r.input_ids) - 1)
+            if r.return_logprob and r.logprob_start_len >= 0:  # input log-probs asked from token k: positions
+                lim = min(lim, max(r.logprob_start_len - 1, 0))  # k-1 on must be computed here, not reused
+            if r.return_logprob and len(r.input_logprobs) != len(r.input_ids):
+                r.input_logprobs = [None] * len(r.input_ids)  # by position: a recompute overwrites, never appends
             while common < lim and old[common] == r.input_ids[common]:
                 common += 1
             self.cache.truncate(torch.tensor([slot]), torch.tensor([common]))
@@ -413,14 +417,15 @@ class Engine:
                 self._emit(r, out.logits[i, n - 1])
 
     def _input_logprobs(self, r: GenRequest, logp: torch.Tensor, start: int, n: int) -> None:
-        """Log-prob of each prompt token given the tokens before it (the first prompt token has none)."""
-        if start == 0:
-            r.input_logprobs.append(None)
+        """Log-prob of each prompt token given the tokens before it, stored at the token's position (the first prompt
+        token has none; tokens whose previous position came from a reused session prefix stay None)."""
         ids = r.input_ids
+        if len(r.input_logprobs) != len(ids):
+            r.input_logprobs = [None] * len(ids)
         for j in range(n):
             p = start + j + 1  # the token predicted at position start + j
             if p < len(ids):
-                r.input_logprobs.append(float(logp[j, ids[p]]))
+                r.input_logprobs[p] = float(logp[j, ids[p]])
 
     # ---- token emission and stopping ---------------------------------------------------------------
     def _emit(self, r: GenRequest, logits: torch.Tensor) -> None:

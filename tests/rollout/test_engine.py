@@ -246,3 +246,58 @@ def test_min_new_tokens_holds_with_mtp_speculation(micro_model):
     assert len(got.output_ids) >= 8 and stop not in got.output_ids[:7]
     assert got.output_ids == want.output_ids and got.finish == want.finish
     assert spec.stats.spec_verifies > 0 or len(got.output_ids) <= 9
+
+
+def _ref_input_logprobs(model, ids) -> list:
+    with torch.no_grad():
+        lp = model(torch.tensor([ids])).float().log_softmax(-1)[0]
+    return [None] + [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+def _close(got, ref, start=0):
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if i >= start and b is not None:
+            assert a is not None and abs(a - b) < 1e-4, (i, a, b)
+
+
+def test_input_logprobs_stay_aligned_under_prefix_reuse_flush_and_weight_updates(micro_model):
+    """Input log-probs are stored by token position and checked against a full forward: after a session's prefix
+    is reused (asked from token k, the engine reuses at most k-1 positions), after a flush in the middle of a
+    chunked prefill (recomputed, never duplicated), and after a weight update without a flush (idle cached
+    prefixes are dropped: the next turn is scored by the new weights)."""
+    from model import Transformer
+
+    m = Transformer(micro_model.config)
+    m.load_state_dict(micro_model.state_dict())
+    eng = Engine(m, n_slots=2, max_len=96, chunk_size=4, start=False)
+    [t1] = _run(eng, [GenRequest(PROMPTS[2], _greedy(5), session_id="s")])
+    turn2 = t1.input_ids + t1.output_ids + [3, 4, 5]
+    k = len(t1.input_ids) + 2
+    [t2] = _run(eng, [GenRequest(turn2, _greedy(3), session_id="s", return_logprob=True, logprob_start_len=k)])
+    assert 0 < t2.reused <= k - 1
+    _close(t2.input_logprobs, _ref_input_logprobs(m, turn2), start=k)
+    # the default (-1): every position computed here is right and in its place; reused ones are None
+    turn3 = turn2 + t2.output_ids + [7]
+    [t3] = _run(eng, [GenRequest(turn3, _greedy(2), session_id="s", return_logprob=True)])
+    n = t3.reused + 1  # token `reused` is predicted at position reused-1, inside the reused prefix
+    assert t3.reused > 0 and t3.input_logprobs[:n] == [None] * n
+    _close(t3.input_logprobs, _ref_input_logprobs(m, turn3), start=n)
+    # a flush while a long prompt is half prefilled (chunks of 4): recomputed from the start, no duplicates
+    long = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
+    r = GenRequest(long, _greedy(2), return_logprob=True, logprob_start_len=0)
+    eng.submit(r)
+    eng.step()
+    eng.step()
+    assert 0 < r.cached < len(long)
+    eng.flush_cache()
+    while not r.future.done():
+        eng.step()
+    _close(r.future.result().input_logprobs, _ref_input_logprobs(m, long))
+    # a weight update without a flush: the idle session's prefix was computed by the old weights and is dropped
+    other = Transformer(micro_model.config)
+    eng.update_weights(state_dict=other.state_dict(), version=2)
+    turn4 = turn3 + [8, 9]
+    [t4] = _run(eng, [GenRequest(turn4, _greedy(2), session_id="s", return_logprob=True)])
+    assert t4.reused == 0
+    _close(t4.input_logprobs, _ref_input_logprobs(other, turn4))
