@@ -116,7 +116,10 @@ def _iteration_run(temper: TemperResource, iteration: str) -> str:
     tags = {"dagster_run_id": ctx.run.run_id if ctx else "", "dagster_partition": iteration,
             "mlflow.source.git.commit": git_commit(), "preset": temper.preset_name,
             "overrides": ",".join(temper.overrides)[:4000]}
-    return temper.tracker().iteration_run(iteration, tags=tags, config=temper.config().model_dump(mode="json"))
+    tr = temper.tracker()
+    if ctx is not None and ctx.run.tags.get("temper/mlflow_uri") != tr.uri:  # where a run-failure sensor looks
+        ctx.instance.add_run_tags(ctx.run.run_id, {"temper/mlflow_uri": tr.uri})
+    return tr.iteration_run(iteration, tags=tags, config=temper.config().model_dump(mode="json"))
 
 
 def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,

@@ -13,9 +13,15 @@ from pathlib import Path
 import dagster as dg
 
 from assets import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
-from pipelines.defs.automation import iteration_job, next_iteration_on_evaluation, recurring_iterations
+from pipelines.defs.automation import (
+    iteration_job,
+    mark_failed_iterations,
+    next_iteration_on_evaluation,
+    recurring_iterations,
+)
 
-__all__ = ["defs", "iteration_job", "make_resources", "next_iteration_on_evaluation", "recurring_iterations"]
+__all__ = ["defs", "iteration_job", "make_resources", "mark_failed_iterations", "next_iteration_on_evaluation",
+           "recurring_iterations"]
 
 
 def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend | None = None,

@@ -159,10 +159,7 @@ def _mark_failed(run_root: Path, iteration: str) -> None:
         return
     from store.tracking import Tracker
 
-    tr = Tracker(f"sqlite:///{db.resolve()}")
-    for r in tr.client.search_runs([tr.experiment_id], f"tags.temper_iteration = '{iteration}' and "
-                                                        "attributes.status = 'RUNNING'"):
-        tr.finish(r.info.run_id, "FAILED")
+    Tracker(f"sqlite:///{db.resolve()}").fail_iteration(iteration)
 
 
 def add_parser(sub) -> None:

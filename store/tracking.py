@@ -120,6 +120,14 @@ class Tracker:
         now = int(time.time() * 1000)
         self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
+    def fail_iteration(self, iteration: str) -> int:
+        """Mark every run of `iteration` still RUNNING as FAILED (a failed iteration must not look live)."""
+        runs = self.client.search_runs([self.experiment_id], f"tags.temper_iteration = '{iteration}' and "
+                                                             "attributes.status = 'RUNNING'")
+        for r in runs:
+            self.finish(r.info.run_id, "FAILED")
+        return len(runs)
+
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 

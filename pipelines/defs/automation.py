@@ -67,3 +67,20 @@ def next_iteration_on_evaluation(context: dg.SensorEvaluationContext):
     if isinstance(out, dg.SensorResult):
         context.update_cursor(nxt)
     return out
+
+
+@dg.run_failure_sensor(default_status=dg.DefaultSensorStatus.RUNNING)  # every job of this code location
+def mark_failed_iterations(context: dg.RunFailureSensorContext):
+    """A failed iteration run (from the UI, a sensor or `temper run`) leaves no MLflow run RUNNING: its iteration's
+    runs are marked FAILED."""
+    run = context.dagster_run
+    it = run.tags.get("dagster/partition")
+    if not it:
+        return dg.SkipReason("not an iteration partition run")
+    uri = run.tags.get("temper/mlflow_uri")  # set by the assets when they open the iteration's MLflow run
+    if not uri:
+        return dg.SkipReason(f"iteration {it}'s run opened no MLflow run")
+    from store.tracking import Tracker
+
+    n = Tracker(uri).fail_iteration(it)
+    context.log.info(f"iteration {it}: {n} MLflow run(s) marked FAILED")

@@ -22,7 +22,8 @@ def test_definitions_load_and_validate():
     assert keys == {"env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts",
                     "opd_student", "evaluation", "policy"}
     assert defs.resolve_job_def("iteration").partitions_def == ITERATIONS
-    assert {s.name for s in defs.sensors} == {"recurring_iterations", "next_iteration_on_evaluation"}
+    assert {s.name for s in defs.sensors} == {"recurring_iterations", "next_iteration_on_evaluation",
+                                              "mark_failed_iterations"}
     graph = defs.resolve_asset_graph()
     for key in graph.get_all_asset_keys():  # owners, kinds and a code version on every asset
         spec = graph.get(key)
@@ -172,6 +173,25 @@ def test_failing_triad_check_blocks_downstream(instance, tmp_path):
     assert checks.get("triad_pass_rate") is False
     parts = {e.event_specific_data.partition for e in res.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
     assert parts == {"1"}  # check records are partitioned like their asset: a history per iteration
+    # the run-failure sensor leaves no MLflow run of the failed iteration RUNNING (UI and sensor launches too)
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.definitions import mark_failed_iterations
+
+    client = MlflowClient(f"sqlite:///{(tmp_path / 'runs').resolve() / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("temper").experiment_id
+
+    def statuses():
+        return {r.data.tags.get("temper_stage", "iteration"): r.info.status
+                for r in client.search_runs([exp], "tags.temper_iteration = '1'")}
+
+    assert statuses()["iteration"] == "RUNNING"
+    failure = next(e for e in res.all_events if e.event_type_value in ("PIPELINE_FAILURE", "RUN_FAILURE"))
+    ctx = dg.build_run_status_sensor_context(sensor_name="mark_failed_iterations", dagster_event=failure,
+                                             dagster_instance=instance,
+                                             dagster_run=instance.get_run_by_id(res.run_id)).for_run_failure()
+    mark_failed_iterations(ctx)
+    assert statuses()["iteration"] == "FAILED" and statuses()["env_specs"] == "FINISHED"
 
 
 def test_recurring_and_evaluation_sensors_carry_the_previous_config(instance):
