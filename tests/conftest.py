@@ -10,6 +10,16 @@ sys.path.insert(0, str(ROOT))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread (trainers, the model's training tests): with two, torch oversubscribes a shared 2-core machine (a
+    loader or gloo thread next to the compute threads slows small ops by orders of magnitude)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_cfg(**kw):
     from model import ModelConfig
 

@@ -1,5 +1,6 @@
 """Losses and learning: masked CE, MTP, the indexer KL in both modes, and that `tiny` learns."""
 
+import pytest
 import torch
 
 import configs
@@ -95,6 +96,7 @@ def test_indexer_kl_hand_case():
     assert abs(kl3.item()) < 1e-6
 
 
+@pytest.mark.usefixtures("one_thread")  # two threads beside other work can slow it tenfold (OpenMP spin-waits)
 def test_tiny_learns_within_a_cpu_minute():
     cfg = configs.load("tiny", ["train.max_steps=200"])
     torch.manual_seed(0)
