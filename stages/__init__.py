@@ -311,7 +311,7 @@ def trajectory_actions(t) -> list:
             if trainable:
                 run.append(tid)
             elif run:
-                a = parse_action(tok.decode(run, skip_special=True))
+                a = parse_action(tok.decode(run))  # the call markers are special tokens: keep them
                 if isinstance(a, Action):
                     acts.append(a)
                 run = []

@@ -85,8 +85,9 @@ def test_the_miner_reads_rewarded_rollouts_and_quarantines_the_hacked_environmen
     def traj(i, spec, actions, reward):
         toks, mask = tok.encode("task: "), []
         mask = [False] * len(toks)
-        for a in actions:
-            body = tok.encode(a.render())
+        for a in actions:  # as the policy writes them: the call markers are special tokens
+            inner = a.render().removeprefix("<tool_call>").removesuffix("</tool_call>")
+            body = [tok.special("<tool_call>")] + tok.encode(inner) + [tok.special("</tool_call>"), tok.eos_id]
             toks += body + tok.encode("\nobs\n")
             mask += [True] * len(body) + [False] * len(tok.encode("\nobs\n"))
         versions = [1 if m else -1 for m in mask]
