@@ -289,6 +289,17 @@ class Sandbox(ABC):
         True when it did; the base sandbox cannot (see BwrapSandbox)."""
         return False
 
+    def probe_quota(self) -> bool:
+        """Whether a workspace quota can be mounted here: mount one of 1 MiB on a scratch directory and undo it."""
+        d = Path(tempfile.mkdtemp(prefix="temper-quota-probe-"))
+        try:
+            ok = self.mount_quota(d, 1 << 20)
+            if ok:
+                self.unmount_quota(d)
+            return ok
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
     def unmount_quota(self, path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
@@ -368,13 +379,7 @@ class BwrapSandbox(_MountedLayout, Sandbox):
         cpu = bool(probe and probe.cpu)
         if probe:
             probe.close()
-        quota = False
-        if self._root:
-            d = Path(tempfile.mkdtemp(prefix="temper-quota-probe-"))
-            quota = self.mount_quota(d, 1 << 20)
-            if quota:
-                self.unmount_quota(d)
-            shutil.rmtree(d, ignore_errors=True)
+        quota = self._root and self.probe_quota()
         return {"backend": self.name, "bwrap": self.bwrap, "process_limit_enforced": enforced, "cpu_quota": cpu,
                 "workspace_quota": quota,
                 "host_uid": self.uid if self.uid is not None else os.geteuid(), "python": self.python()}
@@ -500,13 +505,7 @@ class DockerSandbox(_MountedLayout, Sandbox):
         return BwrapSandbox.mount_quota(self, path, size)
 
     def info(self) -> dict:
-        quota = False
-        if self._root:
-            d = Path(tempfile.mkdtemp(prefix="temper-quota-probe-"))
-            quota = self.mount_quota(d, 1 << 20)
-            if quota:
-                self.unmount_quota(d)
-            shutil.rmtree(d, ignore_errors=True)
+        quota = self._root and self.probe_quota()
         return {"backend": self.name, "image": self.image, "process_limit_enforced": True, "cpu_quota": True,
                 "workspace_quota": quota, "host_uid": SANDBOX_UID, "python": self._python}
 
