@@ -21,6 +21,37 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | No
     return (ce * m).sum() / m.sum().clamp_min(1.0)
 
 
+def token_logprobs(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(token_p | prefix) at p ≥ 1 (0 at p = 0), entropy of the predictive distribution) [B, T].
+
+    The one function every side scores tokens with: the trainers on their rows, and the engine when it rescores
+    a finished segment (`Engine` pure-scoring requests). Called on the same unpadded row with the same weights it
+    returns the same bits (CPU kernels are deterministic for one shape), which is what makes the embedded path's
+    training/inference mismatch exactly 0."""
+    logits = model(ids).float()
+    logp_all = logits[:, :-1].log_softmax(-1)
+    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    z = lp.new_zeros(ids.shape[0], 1)
+    return torch.cat([z, lp], 1), torch.cat([z, ent], 1)
+
+
+def rows_logprobs(model: Transformer, ids: torch.Tensor, lengths: list[int] | None, exact: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` of right-padded rows [R, T]. `exact`: each row is forwarded alone at its true length (as
+    the engine scores a segment), so its values do not depend on the other rows or on the padding — batched
+    kernels reduce in a shape-dependent order and differ in the last bits (~5e-7). Else one padded forward."""
+    if not exact or lengths is None or ids.shape[0] == 0:
+        return token_logprobs(model, ids)
+    lps, ents = [], []
+    width = ids.shape[1]
+    for i, n in enumerate(lengths):
+        lp, ent = token_logprobs(model, ids[i : i + 1, :n])
+        lps.append(F.pad(lp, (0, width - n)))
+        ents.append(F.pad(ent, (0, width - n)))
+    return torch.cat(lps), torch.cat(ents)
+
+
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None):
     """Shifted LM loss: logits at t predict input_ids[t+1]; mask is over input_ids."""
     return lm_loss(logits[:, :-1], input_ids[:, 1:], None if mask is None else mask[:, 1:])

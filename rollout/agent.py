@@ -59,6 +59,7 @@ class Agent:
         self.cfg = cfg or AgentConfig()
         self.tpl = ChatTemplate(tokenizer)
         self.engine_name = engine_name
+        self._exact: bool | None = None  # does the policy's engine score exactly? (unknown until it answers)
 
     def _msg(self, role: str, text: str) -> list[int]:
         return self.tpl.render([{"role": role, "content": text}]).ids
@@ -88,14 +89,47 @@ class Agent:
         vers = meta.get("output_token_versions") or [_version(meta.get("weight_version"), self.policy)] * len(ids)
         return ids, lps, [int(v) for v in vers], meta.get("worker", self.engine_name)
 
-    async def run(self, spec: TaskSpec, iteration: int = 0, trajectory_id: str | None = None) -> Trajectory:
+    async def _close(self, seg: _Seg, end_turn: int, sid: str) -> Segment:
+        """Freeze a finished segment. With `rescore` (on by default), the engine first scores the whole segment in
+        one forward of the trainers' own function (`token_logprobs`), and those log-probs replace the decoded ones
+        on the tokens the scoring version generated: the trainer, forwarding the same row on the same weights,
+        then computes the same bits — the training/inference mismatch is exactly 0 ("true on-policy"). Tokens of
+        an older version (a push landed mid-segment) keep their decoded log-probs. Policies opt in (`scores = True`:
+        `EnginePolicy`, `EngineClient`, `Router`); an engine that does not score exactly (SGLang) is detected on its
+        first reply and not asked again."""
+        gen = [i for i, m in enumerate(seg.mask) if m]
+        if (self.cfg.rescore and gen and self._exact is not False and len(seg.tokens) > 1
+                and getattr(self.policy, "scores", False)):
+            out = await self.policy.generate(seg.tokens, {"max_new_tokens": 0}, return_logprob=True,
+                                             logprob_start_len=0, session_id=sid)
+            meta = out.get("meta_info", {})
+            fin = meta.get("finish_reason")
+            if (fin.get("type") if isinstance(fin, dict) else fin) == "abort":
+                raise EngineFault("the engine aborted the scoring of a finished segment")
+            self._exact = bool(meta.get("exact_scoring"))
+            lps = meta.get("input_token_logprobs") or []
+            if self._exact:
+                if len(lps) != len(seg.tokens) or any(lps[i][0] is None for i in gen):
+                    raise EngineFault(f"the engine scored {len(lps)} of the segment's {len(seg.tokens)} tokens")
+                v = _version(meta.get("weight_version"), self.policy)
+                for i in gen:
+                    if seg.versions[i] == v:
+                        seg.logprobs[i] = float(lps[i][0])
+        return seg.freeze(end_turn)
+
+    async def run(self, spec: TaskSpec, iteration: int = 0, trajectory_id: str | None = None, sample: int = 0
+                  ) -> Trajectory:
+        """One episode. With a sampling seed (`cfg.seed`), the episode's sampling stream is fixed by the seed, the
+        environment, the iteration and `sample` — the index of this rollout among the ones of the same environment
+        (GRPO's group members, a loop's later visits), which would otherwise sample the very same tokens."""
         cfg, t0 = self.cfg, time.perf_counter()
         tid = trajectory_id or f"{spec.id}-{uuid.uuid4().hex[:10]}"
         timings = {"generate": 0.0, "env": 0.0, "verify": 0.0}
         segments: list[Segment] = []
         status, error, reward, details, engine = "truncated", None, 0.0, {}, self.engine_name
         env = Environment(spec, self.sandbox)
-        seed = None if cfg.seed is None else zlib.crc32(f"{cfg.seed}:{spec.id}:{iteration}".encode())
+        key = f"{cfg.seed}:{spec.id}:{iteration}" + (f":{sample}" if sample else "")
+        seed = None if cfg.seed is None else zlib.crc32(key.encode())
         try:
             goal = await asyncio.to_thread(env.reset)
             head = self._msg("system", cfg.system_prompt) + self._msg("user", goal)
@@ -118,7 +152,7 @@ class Agent:
                     timings["generate"] += time.perf_counter() - g0
                     generated += len(ids)
                     seg.add(ids, True, lps, vers)
-                    segments.append(seg.freeze(turn))
+                    segments.append(await self._close(seg, turn, tid))
                     summary = [t for t in ids if t not in self.tpl.stop_ids]
                     seg = _Seg(start_turn=turn, summary=True)
                     seg.add(head)
@@ -155,7 +189,7 @@ class Agent:
                 seg.add(obs)
                 pairs.append((ids, lps, vers, obs))
             status = "completed" if env.done and env.log and env.log[-1].tool in ("submit", "done") else "truncated"
-            segments.append(seg.freeze(turn))
+            segments.append(await self._close(seg, turn, tid))
             v0 = time.perf_counter()
             r = await asyncio.to_thread(env.verify)
             timings["verify"] = time.perf_counter() - v0
@@ -193,19 +227,26 @@ async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, 
                        on_done=None) -> list[Trajectory]:
     """Run many episodes concurrently (bounded); each finished trajectory is handed to `on_done` at once."""
     sem = asyncio.Semaphore(concurrency)
+    seen: dict[str, int] = {}
+    samples = []
+    for s in specs:  # the k-th rollout of an environment in this call samples its own stream (GRPO groups)
+        samples.append(seen.get(s.id, 0))
+        seen[s.id] = samples[-1] + 1
 
-    async def one(spec: TaskSpec) -> Trajectory:
+    async def one(spec: TaskSpec, sample: int) -> Trajectory:
         async with sem:
-            t = await agent.run(spec, iteration)
+            t = await agent.run(spec, iteration, sample=sample)
         if on_done is not None:
             on_done(t)
         return t
 
-    return list(await asyncio.gather(*(one(s) for s in specs)))
+    return list(await asyncio.gather(*(one(s, k) for s, k in zip(specs, samples))))
 
 
 class ScriptedPolicy:
     """A policy that replays fixed tool calls (oracles for SFT data, probes, tests); log-probs are 0."""
+
+    scores = False  # its log-probs are placeholders: nothing to rescore
 
     def __init__(self, tokenizer: Tokenizer, actions: list[str], version: int = 0, summary: str = "progress noted"):
         self.tok, self.actions, self.version, self.summary = tokenizer, list(actions), version, summary
@@ -226,18 +267,26 @@ class ScriptedPolicy:
 class EnginePolicy:
     """The in-process engine behind the same `generate` interface as `EngineClient` (no HTTP hop)."""
 
+    scores = True  # answers pure-scoring requests (the agent's rescoring of finished segments)
+
     def __init__(self, engine):
         self.engine = engine
 
-    async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, session_id=None, **kw) -> dict:
+    async def generate(self, input_ids, sampling_params=None, *, return_logprob=True, session_id=None,
+                       logprob_start_len: int = -1, **kw) -> dict:
         from .engine import GenRequest
         from .sampling import SamplingParams
 
         req = GenRequest(list(input_ids), SamplingParams(**(sampling_params or {})), session_id=session_id,
-                         return_logprob=return_logprob)
+                         return_logprob=return_logprob, logprob_start_len=logprob_start_len)
         self.engine.submit(req)
         r = await asyncio.wrap_future(req.future)
-        return {"output_ids": r.output_ids,
-                "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)],
-                              "output_token_versions": r.output_versions, "finish_reason": r.finish,
-                              "worker": self.engine.name}}
+        meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)],
+                "output_token_versions": r.output_versions, "finish_reason": r.finish, "worker": self.engine.name,
+                "weight_version": str(self.engine.version if r.scored_version is None else r.scored_version)}
+        if return_logprob and logprob_start_len >= 0:
+            start = logprob_start_len
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs[start:], r.input_ids[start:])]
+            if r.scored_version is not None:
+                meta["exact_scoring"] = True
+        return {"output_ids": r.output_ids, "meta_info": meta}

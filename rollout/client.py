@@ -12,6 +12,8 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineClient:
+    scores = True  # answers pure-scoring requests; the agent checks `exact_scoring` in the reply
+
     def __init__(self, base_url: str, timeout: float = 600.0, client: httpx.AsyncClient | None = None):
         self.url = base_url.rstrip("/")
         self.http = client or httpx.AsyncClient(timeout=timeout)

@@ -23,4 +23,7 @@ class AgentConfig(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = None
+    # rescore each finished segment on the engine with the trainers' own forward: the recorded log-probs are
+    # then bit-identical to the trainer's on the same weights (temper's engine; SGLang is detected and skipped)
+    rescore: bool = True
     system_prompt: str = SYSTEM_PROMPT

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta
+from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta, token_logprobs
 from model.tokenizer import ByteTokenizer, Tokenizer
 
 from .sampling import SamplingParams, filtered_logits, sample_row
@@ -63,6 +63,7 @@ class GenRequest:
     output_versions: list[int] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     finish: dict | None = None
+    scored_version: int | None = None  # a pure-scoring request: the weight version that scored it
     slot: int = -1
     cached: int = 0  # leading tokens of context() whose cache rows are in the slot
     reused: int = 0  # of those, how many came from the session's earlier turns
@@ -76,6 +77,11 @@ class GenRequest:
 
     def context(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+
+def is_scoring(r: GenRequest) -> bool:
+    """A request that only scores its input: no new tokens, log-probs of every input token."""
+    return r.params.max_new_tokens == 0 and r.return_logprob and r.logprob_start_len == 0 and not r.stream
 
 
 @dataclass
@@ -159,6 +165,14 @@ class Engine:
             req.gen = torch.Generator().manual_seed(req.params.sampling_seed)
         if req.stream:
             req.chunks = queue.Queue()
+        if is_scoring(req):  # scored whole on the engine thread, between steps: one weight version, exact bits
+            if self._thread is None:
+                self._run_command("score", req, Future())
+            else:
+                self._cmds.put(("score", req, Future()))
+                with self._cv:
+                    self._cv.notify()
+            return req
         with self._cv:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} waiting)")
@@ -213,6 +227,15 @@ class Engine:
             self._thread = None
         for r in self.waiting + self.running:
             self._finish(r, {"type": "abort", "matched": None})
+        while True:  # commands nobody will run: their callers get an answer, not a hang
+            try:
+                kind, arg, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "score":
+                self._finish(arg, {"type": "abort", "matched": None, "error": "engine shut down"})
+            if not fut.done():
+                fut.set_exception(EngineError("engine shut down"))
 
     # ---- command plumbing: run on the engine thread between steps ----------------------------------
     def _command(self, kind: str, arg):
@@ -242,8 +265,25 @@ class Engine:
                 fut.set_result(None)
             elif kind == "update":
                 fut.set_result(self._update(*arg))
+            elif kind == "score":
+                self._score(arg)
+                fut.set_result(None)
         except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
             fut.set_exception(e)
+            if kind == "score":
+                self._finish(arg, {"type": "abort", "matched": None, "error": f"{type(e).__name__}: {e}"})
+
+    @torch.no_grad()
+    def _score(self, r: GenRequest) -> None:
+        """A pure-scoring request (no new tokens, log-probs from position 0): the whole sequence in one forward
+        of `token_logprobs`, the function the trainers use on their rows. On the same weights the rollout's
+        recorded log-probs and the trainer's are then the same bits, where decoding through the KV cache
+        differs in the last bits (~1e-6)."""
+        lp, _ = token_logprobs(self.model, torch.tensor([r.input_ids]))
+        r.input_logprobs = [None, *lp[0, 1:].tolist()]
+        r.scored_version = self.version
+        self.stats.prompt_tokens += len(r.input_ids)
+        self._finish(r, {"type": "length", "length": 0})
 
     def _abort(self, rid: str | None) -> int:
         with self._cv:

@@ -42,6 +42,8 @@ class NoHealthyWorker(RuntimeError):
 
 
 class Router:
+    scores = True  # answers pure-scoring requests; the agent checks `exact_scoring` in the reply
+
     def __init__(self, urls: list[str], slots_per_worker: int | None = None, retries: int = 2,
                  health_interval: float = 2.0, on_rejoin=None):
         if not urls:

@@ -219,7 +219,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     def meta(r: GenRequest) -> dict:
         m = {"id": r.rid, "prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
-             "cached_tokens": r.reused, "finish_reason": r.finish, "weight_version": str(engine.version),
+             "cached_tokens": r.reused, "finish_reason": r.finish,
+             "weight_version": str(engine.version if r.scored_version is None else r.scored_version),
              "e2e_latency": time.perf_counter() - r.t_arrival}
         if r.spec_verify:
             m["spec_verify_ct"] = r.spec_verify
@@ -231,6 +232,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             start = max(r.logprob_start_len, 0)
             m["input_token_logprobs"] = [[lp, t, None] for lp, t in
                                          zip(r.input_logprobs[start:], r.input_ids[start:])]
+            if r.scored_version is not None:  # scored whole by the trainers' own function (Engine._score)
+                m["exact_scoring"] = True
         return m
 
     def text_of(r: GenRequest) -> str:

@@ -88,6 +88,11 @@ class RLLoop:
         self._cursor += 1
         return s
 
+    def _next(self) -> tuple[TaskSpec, int]:
+        """The next environment and how many times this loop has handed it out before (its sampling stream)."""
+        n = self._cursor // len(self.specs)
+        return self._next_spec(), n
+
     def push_weights(self) -> dict:
         """WeightSync: every engine serves the actor as the next version (checked there), or this raises."""
         self.version += 1
@@ -131,7 +136,8 @@ class RLLoop:
     def _rollouts(self) -> None:
         async def worker(agent: Agent):
             while not self._stop.is_set():
-                t = await agent.run(self._next_spec(), self.iteration)
+                spec, visit = self._next()
+                t = await agent.run(spec, self.iteration, sample=visit)
                 await asyncio.to_thread(self._emit, t)
 
         async def main():

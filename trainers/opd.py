@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from model import Transformer
+from model import Transformer, rows_logprobs
 from rollout.types import Trajectory
 
 from .config import OPDConfig
 from .rl_losses import LossConfig, opd_advantage, policy_loss
-from .sao import Mismatch, layout, token_logprobs
+from .sao import Mismatch, layout
 
 
 class OPDTrainer:
@@ -34,7 +34,7 @@ class OPDTrainer:
         batches = [(t.domain, layout([t])) for t in trajs]
 
         def score(teacher: Transformer, rows) -> torch.Tensor:
-            return token_logprobs(teacher.eval(), rows.ids)[0]
+            return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0]
 
         return self.teachers.score_batches(batches, score)
 
@@ -56,7 +56,7 @@ class OPDTrainer:
             rkl = 0.0
             mm = Mismatch()
             for t, tlp, rows in zip(trajs, t_lp, rows_of):
-                lp, _ = token_logprobs(self.student, rows.ids)
+                lp, _ = rows_logprobs(self.student, rows.ids, rows.lengths, self.cfg.exact_rows)
                 if current_version is not None and epoch == 0:
                     mm.add(lp, rows.logp_rollout, rows.mask, rows.versions, current_version)
                 adv = opd_advantage(tlp, lp, outcome=t.reward - mean_r, alpha=self.cfg.outcome_alpha)

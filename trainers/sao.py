@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model import Transformer
+from model import Transformer, rows_logprobs, token_logprobs  # noqa: F401 - token_logprobs re-exported
 from rollout.types import Trajectory
 
 from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by_segments
@@ -62,16 +62,6 @@ class Rows:
     counts: list[list[int]] = field(default_factory=list)  # per trajectory: trainable tokens per segment
     versions: torch.Tensor | None = None  # [R, T] policy version that generated each token (-1 elsewhere)
     lengths: list[int] = field(default_factory=list)  # true (unpadded) length of each row
-
-
-def token_logprobs(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π(token_p | prefix) at p ≥ 1 (0 at p = 0), entropy of the predictive distribution) [B, T]."""
-    logits = model(ids).float()
-    logp_all = logits[:, :-1].log_softmax(-1)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    z = lp.new_zeros(ids.shape[0], 1)
-    return torch.cat([z, lp], 1), torch.cat([z, ent], 1)
 
 
 def layout(trajs: list[Trajectory], pad_id: int = 0) -> Rows:
@@ -276,7 +266,7 @@ class SAOTrainer:
             mm = Mismatch()
             for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
                 sl = slice(i, i + self.cfg.micro_rows)
-                lp, ent = token_logprobs(self.actor, rows.ids[sl])
+                lp, ent = rows_logprobs(self.actor, rows.ids[sl], rows.lengths[sl], self.cfg.exact_rows)
                 m = rows.mask[sl]
                 mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl],
                        current_version)

@@ -75,8 +75,10 @@ def test_loop_trains_and_pushes_versioned_weights(mode):
     for r in rows:
         if r["outcome"] == "trained":
             assert r["staleness"] == r["policy_version"] - by_id[r["trajectory_id"]].policy_versions()[0] >= 0
-    # train/inference mismatch on tokens of the version being trained: the same weights on both sides
-    assert hist[0]["mismatch_fresh_tokens"] > 0 and hist[0]["mismatch_fresh_max"] < 1e-4
+    # train/inference mismatch on tokens of the version being trained: the engine rescored each finished segment
+    # with the trainer's own forward, so on the same weights the two log-probs are the same bits
+    assert hist[0]["mismatch_fresh_tokens"] > 0
+    assert all(h["mismatch_fresh_max"] == 0.0 for h in hist if "mismatch_fresh_tokens" in h)
     if mode == "sync":  # every batch was generated entirely by the weights of its step
         assert all(t.policy_versions()[0] == t.policy_versions()[1] for t in seen)
         assert {t.policy_versions()[0] for t in seen[:4]} == {0} and {t.policy_versions()[0] for t in seen[4:8]} == {1}
