@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from envs.config import EnvConfig
 from model.config import ModelConfig
 from rollout.config import AgentConfig
-from trainers.config import BaseConfig, LoopConfig, OPDConfig, SAOConfig, TrainConfig
+from trainers.config import BaseConfig, LoopConfig, OPDConfig, SAOConfig, TrainConfig, TrainerConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -37,6 +37,7 @@ class IterationConfig(BaseModel):
     opd: OPDConfig = OPDConfig()
     loop: LoopConfig = LoopConfig()
     base: BaseConfig = BaseConfig()
+    trainer: TrainerConfig = TrainerConfig()
     seed: int = 0
 
 

@@ -26,6 +26,43 @@ def _dump(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
+def under_torchrun(stage: str, cfg, kwargs: dict, out: Path, log=_quiet, metrics=_no_metrics) -> dict:
+    """Run `stage` with `kwargs` under `torchrun` with `cfg.trainer.world_size` ranks (`stages/ranks.py`) and
+    return rank 0's result. Rank 0's `@log` / `@metrics` lines are relayed to `log` / `metrics`; a rank that fails
+    fails the stage, with the tail of the output in the error."""
+    import subprocess
+    import sys
+    from collections import deque
+
+    from trainers.backends import free_port
+
+    world = cfg.trainer.world_size
+    d = out / "ranks"
+    d.mkdir(parents=True, exist_ok=True)
+    result = d / "result.json"
+    result.unlink(missing_ok=True)
+    spec = {"stage": stage, "config": cfg.model_dump(mode="json"), "result": str(result),
+            "kwargs": {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}}
+    _dump(d / "spec.json", spec)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "stages.ranks", str(d / "spec.json")]
+    log(f"{stage}: {world} trainer ranks under torchrun")
+    tail: deque[str] = deque(maxlen=30)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            if line.startswith("@log "):
+                log(json.loads(line[5:]))
+            elif line.startswith("@metrics "):
+                m = json.loads(line[9:])
+                metrics(m["values"], m["step"])
+            else:
+                tail.append(line.rstrip())
+    if proc.returncode != 0 or not result.exists():
+        raise RuntimeError(f"{stage} under torchrun ({world} ranks) failed with exit status {proc.returncode}:\n"
+                           + "\n".join(tail))
+    return json.loads(result.read_text())
+
+
 def _backend(cfg, model, tok, out: Path, urls: list[str] | None, router_url: str, version: int, name: str):
     """The stage's rollout backend: the servers at `urls` (given `model` as `version` through
     `/update_weights_from_disk`) or, without URLs, an in-process engine."""
@@ -157,15 +194,18 @@ def check_base(ckpt: Path) -> dict:
     return card
 
 
-def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics) -> dict:
+def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics,
+               train_backend=None) -> dict:
     """The policy this iteration starts from: iteration N−1's student, else the shipped base checkpoint
     (`base.checkpoint`), else — only when a preset has no base — SFT from scratch for `train.max_steps` steps on
-    oracle trajectories (resumable from `out/state`)."""
+    oracle trajectories (resumable from `out/state`; under torchrun when `trainer.world_size > 1`, every rank
+    training on its share of each batch, rank 0 saving)."""
     import torch
 
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, Transformer, save_checkpoint
+    from trainers.backends import TorchBackend
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.lm import LMTrainer, train_lm
     from trainers.sft import oracle_trajectories, sft_batches
@@ -184,14 +224,18 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
                 "base_card_pass@1": card.get("eval", {}).get("domain")}
     if not envs.get("train"):
         raise ValueError("warm start: no base.checkpoint and no SFT set (envs.n_train is 0)")
+    if cfg.trainer.world_size > 1 and train_backend is None:
+        return under_torchrun("warm_start", cfg, {"envs": envs, "out": out, "parent_checkpoint": None}, out, log,
+                              metrics)
+    dp = train_backend or TorchBackend()
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     losses: list[float] = []
     start = 0
     torch.manual_seed(cfg.seed)
     trajs = oracle_trajectories(read_dataset(envs["train"]), tok, sb, cfg.agent)
     log(f"SFT data: {len(trajs)} oracle trajectories, {sum(t.n_trainable for t in trajs):,} trainable tokens")
-    model = Transformer(cfg.model)
-    trainer, elapsed = LMTrainer(model, cfg.train), 0.0
+    model = dp.wrap(Transformer(cfg.model))
+    trainer, elapsed = LMTrainer(model, cfg.train, backend=dp), 0.0
     if complete_checkpoints(out / "state"):
         state = restore(load_training_state(out / "state"), model, trainer.opt)
         start = trainer.step_no = state.step
@@ -205,16 +249,34 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     def on_step(st) -> None:
         losses.append(round(st.loss, 5))
         metrics({"sft_loss": losses[-1]}, len(losses) - 1)
-        if trainer.step_no % save_every == 0:
+        if trainer.step_no % save_every == 0 and dp.is_main:
             save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
                                 policy_version=0, data_cursor=trainer.step_no, keep=2,
                                 extra={"elapsed": elapsed + st.seconds, "loss": losses})
             log(f"SFT step {trainer.step_no}/{cfg.train.max_steps}: loss {st.loss:.4f}")
 
     train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
+    ranks = _rank_checksums(dp, model, "SFT")
+    if not dp.is_main:
+        return {}
     save_checkpoint(model, out / "checkpoint", policy_version=WARM_VERSION)
-    return {"checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft", "sft_steps": len(losses),
-            "resumed_from_step": start, "curves": {"sft_loss": losses}}
+    return {**ranks, "checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft",
+            "sft_steps": len(losses), "resumed_from_step": start, "curves": {"sft_loss": losses}}
+
+
+def _rank_checksums(dp, model, what: str) -> dict:
+    """With several trainer ranks: every rank's weights checksum, checked equal (else the stage fails)."""
+    if dp.world_size == 1:
+        return {}
+    import torch.distributed as dist
+
+    from model import weights_checksum
+
+    sums: list = [None] * dp.world_size
+    dist.all_gather_object(sums, weights_checksum(model))
+    if len(set(sums)) != 1:
+        raise RuntimeError(f"{what}: trainer ranks ended with different weights: {sums}")
+    return {"trainer_ranks": dp.world_size, "rank_checksums": sums}
 
 
 def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteration: int, urls: list[str],
@@ -334,7 +396,7 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet, metrics=_no_metrics,
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
                store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None,
-               quarantine: list[str] | None = None) -> dict:
+               quarantine: list[str] | None = None, train_backend=None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
@@ -343,12 +405,22 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     Rollouts run on the servers at `urls` (behind temper's Router, or `router_url`) or, without URLs, on an
     in-process engine; every trajectory and what SAO did with it (trained at step s, or dropped) goes to the
     store at `store_path`. `warm_rollouts`: ids of this domain's `rollout_batches` trajectories (from `rewards`),
-    read back from that store for the critic's pre-training and the first step (`loop.warm_rollouts`)."""
+    read back from that store for the critic's pre-training and the first step (`loop.warm_rollouts`).
+
+    `trainer.world_size > 1`: the stage re-launches itself under torchrun (`under_torchrun`); rank 0 drives the
+    rollouts, writes the store, the state and the checkpoint, and every rank trains on its share of each batch
+    (`train_backend`, given by `stages/ranks.py`). The result then records each rank's weights checksum."""
+    if cfg.trainer.world_size > 1 and train_backend is None:
+        return under_torchrun("sao_expert", cfg, {
+            "checkpoint": checkpoint, "envs": envs, "domain": domain, "out": out, "domain_reward": domain_reward,
+            "urls": urls, "router_url": router_url, "store_path": store_path, "iteration": iteration,
+            "warm_rollouts": warm_rollouts, "quarantine": quarantine}, out, log, metrics)
     import torch
 
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
+    from trainers.backends import TorchBackend
     from trainers.checkpoint import complete_checkpoints, load_training_state
     from trainers.loop import RLLoop
 
@@ -359,14 +431,18 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
         return {"checkpoint": checkpoint, "steps": 0, "domain": domain, "resumed_from_step": 0,
                 "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward}
-    model = load_checkpoint(checkpoint)
+    dp = train_backend or TorchBackend()
+    main = dp.is_main
+    model = dp.wrap(load_checkpoint(checkpoint))
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
-    backend = _backend(cfg, model, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}")
-    rec = Recorder(store_path)
-    warm = _read_warm(store_path, iteration, domain, warm_rollouts) if state is None else []
+    # rank 0 alone talks to engines and to the store; the other ranks get every batch from it
+    backend = _backend(cfg, model, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}") \
+        if main else None
+    rec = Recorder(store_path if main else None)
+    warm = _read_warm(store_path, iteration, domain, warm_rollouts) if state is None and main else []
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
-                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm)
+                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp)
     hist: list[dict] = []
     start = n0 = 0
     if state is not None:
@@ -379,7 +455,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
         step = start + len(hist) - n0
         metrics({k: hist[-1][k] for k in SAO_CURVES if k in hist[-1]}, len(hist) - 1)
-        if step % cfg.loop.save_every == 0 or step == cfg.loop.steps:
+        if main and (step % cfg.loop.save_every == 0 or step == cfg.loop.steps):
             loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
             rec.flush(loop.consumption)
         mm = (f" mismatch {st['mismatch_fresh_mean']:.1e} (max {st['mismatch_fresh_max']:.1e})"
@@ -389,10 +465,14 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     try:
         loop.run(max(0, cfg.loop.steps - start), on_step)
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
+    ranks = _rank_checksums(dp, model, f"{domain} expert")
+    if not main:
+        return {}
     rec.flush(loop.consumption)
     save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
-    return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
+    return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
             "updates": sum(1 for h in hist if h.get("updated")),
             "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),

@@ -95,6 +95,18 @@ class CurriculumStage(BaseModel):
     patterns: list[str] = Field(min_length=1)
 
 
+class TrainerConfig(BaseModel):
+    """The trainer's process layout in the pipeline. `world_size > 1`: a training stage re-launches itself under
+    `torchrun` with that many ranks (data parallel through `DDPBackend`: gloo on CPU, nccl on GPU); rank 0 drives
+    the rollout backend and hands every batch to the others, and all ranks end each step with the same weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    world_size: int = Field(default=1, ge=1)
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is available, else gloo
+    timeout_s: float = Field(default=600.0, gt=0)  # a collective that waits longer fails the stage loudly
+
+
 class BaseConfig(BaseModel):
     """The recipe of the shipped base checkpoint (`temper train base`) and where iteration 1 finds it.
 
