@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
 
 from .actions import Action, parse_action
 from .families import FAMILIES, get_family
@@ -56,45 +58,86 @@ VERIFIER_PROMPT = """You write the verifier of an agent task from its public des
 emit({"pass": bool, "detail": str}))."""
 
 
+class GeneratedTask(BaseModel):
+    """What the task writer must return (validated here, whatever the server enforced)."""
+
+    domain: Literal["code", "math", "reasoning"]
+    instruction: str = Field(min_length=1)
+    files: dict[str, str] = Field(default_factory=dict)
+    tools: list[str]
+    hidden: dict[str, Any]
+    reference: list[str] = Field(min_length=1)
+
+
+class GeneratedVerifier(BaseModel):
+    checks: list[Check] = Field(min_length=1)
+
+
+class LLMUnavailable(RuntimeError):
+    """The endpoint could not be reached or kept failing after the SDK's retries."""
+
+
 class LLMGenerator:
-    """Turns a free-text task pattern into a TaskSpec with two calls to an OpenAI-compatible endpoint:
-    one writes the task, hidden state and reference; a second writes the verifier from the public task
-    and hidden state only. Off unless constructed with an endpoint."""
+    """Turns a free-text task pattern into a TaskSpec with two calls to an OpenAI-compatible chat endpoint,
+    through the `openai` SDK (optional dependency: `pip install temper[llm]`): one writes the task, hidden state
+    and reference; a second writes the verifier from the public task and hidden state only.
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0):
-        import httpx
+    The SDK brings the timeouts and the retries (connection errors, 408/409/429/5xx, with backoff).
+    `structured`: ask for JSON-schema structured output (`response_format`; SGLang, vLLM and OpenAI decode
+    under the schema). temper's own engine has no constrained decoding and refuses it, so against `temper serve`
+    pass `structured=False`. Either way the reply is validated against the schema here, and a reply that does not
+    fit fails with the field that is wrong.
+    """
 
-        self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0,
+                 max_retries: int = 2, structured: bool = True, max_tokens: int = 2048):
+        try:
+            import openai
+        except ImportError:  # pragma: no cover - depends on the install
+            raise ImportError("the LLM generator needs the openai SDK: pip install 'temper[llm]'") from None
+        self.model, self.structured, self.max_tokens = model, structured, max_tokens
+        url = base_url.rstrip("/")
+        self.client = openai.OpenAI(base_url=url if url.endswith("/v1") else url + "/v1", api_key=api_key or "none",
+                                    timeout=timeout, max_retries=max_retries)
 
-    def _chat(self, system: str, user: str, seed: int) -> dict[str, Any]:
-        r = self.http.post("/v1/chat/completions", json={
-            "model": self.model, "temperature": 0, "seed": seed,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        })
-        r.raise_for_status()
-        text = r.json()["choices"][0]["message"]["content"]
+    def _chat(self, system: str, user: str, seed: int, schema: type[BaseModel]) -> BaseModel:
+        import openai
+
+        kw: dict[str, Any] = {}
+        if self.structured:
+            kw["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": schema.__name__, "schema": schema.model_json_schema()}}
+        try:
+            r = self.client.chat.completions.create(
+                model=self.model, temperature=0, seed=seed, max_tokens=self.max_tokens,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": user}], **kw)
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise LLMUnavailable(f"{self.client.base_url}: {type(e).__name__}: {e} "
+                                 f"(after {self.client.max_retries} retries)") from None
+        except openai.APIStatusError as e:
+            raise ValueError(f"{self.client.base_url} refused the request: HTTP {e.status_code}: {e.message}") from None
+        text = r.choices[0].message.content or ""
         m = re.search(r"\{.*\}", text, re.S)
         if not m:
             raise ValueError(f"model reply holds no JSON object: {text[:200]!r}")
-        return json.loads(m.group())
+        try:
+            return schema.model_validate_json(m.group())
+        except ValidationError as e:
+            where = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"model reply does not fit {schema.__name__}: {where}") from None
 
     def generate(self, pattern: str, seed: int = 0) -> TaskSpec:
-        task = self._chat(TASK_PROMPT, f"Task pattern: {pattern}\nSeed: {seed}", seed)
-        for k in ("domain", "instruction", "files", "tools", "hidden", "reference"):
-            if k not in task:
-                raise ValueError(f"generated task lacks {k!r}")
+        task = self._chat(TASK_PROMPT, f"Task pattern: {pattern}\nSeed: {seed}", seed, GeneratedTask)
         slug = re.sub(r"[^a-z0-9]+", "-", pattern.lower()).strip("-")[:32] or "task"
-        public = PublicTask(id=f"llm-{slug}-{seed:06d}", family=f"llm:{slug}", domain=task["domain"],
-                            instruction=task["instruction"], files=task["files"],
-                            tools=[t for t in task["tools"] if t not in ("submit", "done")],
-                            max_turns=max(8, 3 * len(task["reference"]) + 4))
-        for call in task["reference"]:
+        public = PublicTask(id=f"llm-{slug}-{seed:06d}", family=f"llm:{slug}", domain=task.domain,
+                            instruction=task.instruction, files=task.files,
+                            tools=[t for t in task.tools if t not in ("submit", "done")],
+                            max_turns=max(8, 3 * len(task.reference) + 4))
+        for call in task.reference:
             if not isinstance(parse_action(call), Action):
                 raise ValueError(f"reference call does not parse: {call!r}")
-        ver = self._chat(VERIFIER_PROMPT, json.dumps({"task": public.model_dump(), "hidden": task["hidden"]}), seed)
-        verifier = Verifier(checks=[Check(**c) for c in ver.get("checks", [])])
-        spec = TaskSpec(**public.model_dump(), seed=seed, hidden=task["hidden"], reference=list(task["reference"]),
-                        verifier=verifier, source="llm")
+        ver = self._chat(VERIFIER_PROMPT, json.dumps({"task": public.model_dump(), "hidden": task.hidden}), seed,
+                         GeneratedVerifier)
+        spec = TaskSpec(**public.model_dump(), seed=seed, hidden=task.hidden, reference=list(task.reference),
+                        verifier=Verifier(checks=ver.checks), source="llm")
         return spec.compute_hashes()

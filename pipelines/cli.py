@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -133,15 +134,37 @@ def cmd_demo(args) -> int:
 
 def cmd_envs_generate(args) -> int:
     from envs.dataset import write_dataset
-    from envs.generator import generate
+    from envs.generator import LLMGenerator, LLMUnavailable, generate
 
     con = _console()
     try:
-        specs = generate(args.pattern or None, args.n, args.seed)
-    except (KeyError, ValueError) as e:
+        if args.llm_url:  # free-text patterns, written by a model behind an OpenAI-compatible endpoint
+            if not args.pattern:
+                con.print("[red]error:[/red] --llm-url needs at least one --pattern (free text)")
+                return 2
+            gen = LLMGenerator(args.llm_url, args.llm_model, api_key=os.environ.get("OPENAI_API_KEY"),
+                               structured=not args.no_structured)
+            specs = []
+            for i in range(args.n):
+                pat = args.pattern[i % len(args.pattern)]
+                try:
+                    specs.append(gen.generate(pat, seed=args.seed * 1_000_003 + i))
+                except ValueError as e:  # one bad reply costs one spec; the gate judges the rest
+                    con.print(f"[yellow]skipped[/yellow] {pat!r} #{i}: {e}")
+            if not specs:
+                con.print("[red]error:[/red] the model wrote no usable spec")
+                return 1
+        else:
+            specs = generate(args.pattern or None, args.n, args.seed)
+    except (KeyError, ValueError, ImportError) as e:
         con.print(f"[red]error:[/red] {e}")
         return 2
-    man = write_dataset(specs, args.out, {"patterns": args.pattern, "seed": args.seed})
+    except LLMUnavailable as e:
+        con.print(f"[red]error:[/red] {e}")
+        return 1
+    man = write_dataset(specs, args.out, {"patterns": args.pattern, "seed": args.seed,
+                                          **({"llm": {"url": args.llm_url, "model": args.llm_model}}
+                                             if args.llm_url else {})})
     con.print(f"wrote {man['n']} specs to {args.out} (sha256 {man['sha256'][:16]}…): {man['families']}")
     return 0
 
@@ -236,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--n", type=int, default=14)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="runs/envs/generated")
+    g.add_argument("--llm-url", default=None,
+                   help="OpenAI-compatible endpoint (needs temper[llm]): patterns are free text the model turns into "
+                        "tasks and verifiers; API key from OPENAI_API_KEY")
+    g.add_argument("--llm-model", default="default", help="model name sent to --llm-url")
+    g.add_argument("--no-structured", action="store_true",
+                   help="do not ask for JSON-schema structured output (for servers without it, e.g. temper serve)")
     g.set_defaults(fn=cmd_envs_generate)
     v = esub.add_parser("validate", help="judge + triad + hack probes; writes the accepted subset")
     v.add_argument("dataset")

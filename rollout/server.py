@@ -122,6 +122,7 @@ class ChatBody(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     n: int = Field(default=1, ge=1, le=1)
     session_id: str | None = None
+    response_format: dict | None = None  # only {"type": "text"}: no constrained decoding here (see chat handler)
 
 
 def _reason(err: ValidationError | RequestValidationError) -> str:
@@ -453,6 +454,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            return bad(f"response_format {kind!r} is not supported: temper's engine has no constrained decoding "
+                       "(send type 'text' and validate the reply yourself)")
         try:
             ids = tpl.render([m.model_dump() for m in body.messages], add_generation_prompt=True).ids
         except ValueError as e:

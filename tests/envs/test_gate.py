@@ -1,15 +1,11 @@
 """The gate rejects bad verifiers; the miner flags shortcut trajectories; crashes are contained."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
 import pytest
 
 from envs import FAMILIES, Action, Check, Verifier, run_script
 from envs.dataset import read_dataset, write_dataset
 from envs.gate import mine, validate
-from envs.generator import LLMGenerator, generate
+from envs.generator import generate
 
 
 def _with_verifier(spec, checks):
@@ -93,53 +89,3 @@ def test_dataset_round_trip_and_tamper_detection(tmp_path):
     p.write_text(p.read_text().replace("Start with", "Begin with", 1))
     with pytest.raises(ValueError, match="does not match the manifest"):
         read_dataset(tmp_path / "ds")
-
-
-# ---- the LLM-backed generator against a local OpenAI-compatible stand-in ----------------------------------
-TASK = {"domain": "math", "instruction": "What is 17 * 23? Use calc, then submit.", "files": {},
-        "tools": ["calc"], "hidden": {"a": 17, "b": 23},
-        "reference": ["<tool_call>calc 17*23</tool_call>", "<tool_call>submit 391</tool_call>"]}
-
-
-class _FakeLLM(BaseHTTPRequestHandler):
-    verifier: dict = {}
-    seen: list = []
-
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        system = body["messages"][0]["content"]
-        self.seen.append(body["messages"][1]["content"])
-        reply = TASK if system.startswith("You write executable") else self.verifier
-        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Here:\n" + json.dumps(reply)}}]})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(out.encode())
-
-    def log_message(self, *a):
-        pass
-
-
-@pytest.fixture
-def fake_llm():
-    srv = HTTPServer(("127.0.0.1", 0), _FakeLLM)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    _FakeLLM.seen = []
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
-
-
-def test_llm_generator_goes_through_the_same_gate(fake_llm, sandbox):
-    gen = LLMGenerator(fake_llm, model="stub")
-    _FakeLLM.verifier = {"checks": [{"kind": "answer", "name": "product", "expected": "391", "normalize": "number"}]}
-    spec = gen.generate("multiplication with a calculator", seed=3)
-    assert spec.source == "llm" and spec.family.startswith("llm:")
-    # the verifier writer got the public task and hidden state, never the reference
-    assert "submit 391" not in _FakeLLM.seen[1] and '"a": 17' in _FakeLLM.seen[1]
-    assert validate(spec, sandbox).accepted
-    _FakeLLM.verifier = {"checks": [{"kind": "python", "name": "lazy", "code": "emit({'pass': True})"}]}
-    lazy = gen.generate("multiplication with a calculator", seed=4)
-    rep = validate(lazy, sandbox)
-    assert not rep.accepted and any(r.startswith("no-op") for r in rep.reasons)
