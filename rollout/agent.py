@@ -224,8 +224,9 @@ def _version(v, policy) -> int:
 
 
 async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, concurrency: int = 8,
-                       on_done=None) -> list[Trajectory]:
-    """Run many episodes concurrently (bounded); each finished trajectory is handed to `on_done` at once."""
+                       on_done=None, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
+    """Run many episodes concurrently (bounded); each finished trajectory is handed to `on_done` at once.
+    `trajectory_ids`: one per spec (default: a fresh id each)."""
     sem = asyncio.Semaphore(concurrency)
     seen: dict[str, int] = {}
     samples = []
@@ -233,14 +234,17 @@ async def run_episodes(agent: Agent, specs: list[TaskSpec], iteration: int = 0, 
         samples.append(seen.get(s.id, 0))
         seen[s.id] = samples[-1] + 1
 
-    async def one(spec: TaskSpec, sample: int) -> Trajectory:
+    async def one(spec: TaskSpec, sample: int, tid: str | None) -> Trajectory:
         async with sem:
-            t = await agent.run(spec, iteration, sample=sample)
+            t = await agent.run(spec, iteration, trajectory_id=tid, sample=sample)
         if on_done is not None:
             on_done(t)
         return t
 
-    return list(await asyncio.gather(*(one(s, k) for s, k in zip(specs, samples))))
+    ids = trajectory_ids if trajectory_ids is not None else [None] * len(specs)
+    if len(ids) != len(specs):
+        raise ValueError(f"{len(ids)} trajectory ids for {len(specs)} specs")
+    return list(await asyncio.gather(*(one(s, k, i) for s, k, i in zip(specs, samples, ids))))
 
 
 class ScriptedPolicy:

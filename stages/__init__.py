@@ -109,8 +109,20 @@ class Recorder:
         self.rows += len(rows)
         return n
 
+    def repair(self, consumer: str, step: int) -> int:
+        """Before a resumed stage redoes the steps after its checkpoint `step`: drop the consumption rows a killed
+        attempt wrote for them (it flushes before it checkpoints, so the store can be ahead of the state, never
+        behind it). Returns how many rows were dropped."""
+        if self.path is None or not self.path.exists():
+            return 0
+        from store import TrajectoryStore
+
+        with TrajectoryStore(self.path) as st:
+            return st.drop_consumption_after(consumer, step)
+
 
 ITERATION_SEED_STRIDE = 7_919
+ROLLOUT_CHUNK = 16  # rollouts stored per write: what a kill of `rollout_batches` can cost
 # Within an iteration the warm start is policy version 1 (its checkpoint says so); every trainer counts on from it.
 # `rollout_batches` serves it at this version, so SAO's first step sees those rollouts at staleness 0.
 WARM_VERSION = 1
@@ -147,16 +159,38 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
 
     from envs import make_sandbox
     from envs.dataset import read_dataset, write_dataset
-    from envs.gate import acceptance, validate
+    from envs.gate import GateReport, acceptance, validate
 
     sb = make_sandbox(cfg.envs.sandbox)
     sets = [k for k in ("train", "rl") if specs.get(k)]
     every = [(k, s) for k in sets for s in read_dataset(specs[k])]
+    # each verdict is kept as it comes, under the spec's content hash and the legs asked: a rerun after a kill
+    # (or with the same environments) judges only what is not judged yet
+    cache = out / "reports"
+    cache.mkdir(parents=True, exist_ok=True)
+    reused = 0
+
+    def judge(i: int) -> GateReport:
+        nonlocal reused
+        spec, probes = every[i][1], cfg.envs.probes and i % cfg.envs.probe_every == 0
+        path = cache / f"{spec.spec_hash}-{'probes' if probes else 'triad'}-{sb.name}.json"
+        if path.exists():
+            try:
+                rep = GateReport(**json.loads(path.read_text()))
+                reused += 1
+                return rep
+            except (ValueError, TypeError):  # a torn write: judge again
+                pass
+        rep = validate(spec, sb, probes=probes)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rep.to_dict(), default=str))
+        tmp.replace(path)
+        return rep
+
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
-        reports = list(pool.map(lambda i: validate(every[i][1], sb,
-                                                   probes=cfg.envs.probes and i % cfg.envs.probe_every == 0),
-                                range(len(every))))
-    log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted")
+        reports = list(pool.map(judge, range(len(every))))
+    log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted"
+        + (f" ({reused} verdicts kept from an earlier attempt)" if reused else ""))
     res: dict = {"eval": specs["eval"]}
     for k in sets:  # the last one is the set RL trains in: its domains get experts
         ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
@@ -165,7 +199,7 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     _dump(out / "validation.json", [r.to_dict() for r in reports])
     accepted = sum(r.accepted for r in reports)
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
-    return {**res, "accepted": accepted, "total": len(every), "sandbox": sb.name,
+    return {**res, "accepted": accepted, "total": len(every), "sandbox": sb.name, "verdicts_reused": reused,
             "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
             "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
             "domains": sorted({s.domain for s in ok})}
@@ -292,21 +326,44 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     specs = read_dataset(rl_set(envs))
-
-    async def go():
-        await load_weights(urls, checkpoint, version=WARM_VERSION)
-        log(f"loaded {checkpoint} into {len(urls)} worker(s); rolling out {len(specs)} environments")
-        policy = await open_policy(urls, router_url)
-        try:
-            return await run_episodes(Agent(policy, tok, sb, cfg.agent), specs, iteration, cfg.loop.in_flight)
-        finally:
-            await close_policy(policy)
-
-    trajs = asyncio.run(go())
+    # one rollout per environment, under an id fixed by the iteration and the environment: a rerun after a kill
+    # finds what the killed attempt stored (written in chunks as episodes finish) and rolls out only the rest
+    tid = {s.id: f"rollout-{iteration}-{s.id}" for s in specs}
+    progress = store_path.parent / f"rollouts-{iteration:04d}.progress.json"
     with TrajectoryStore(store_path) as st:
-        n = st.write(trajs)
+        done = {t.trajectory_id for t in st.read(iteration, ids=list(tid.values()))}
+        todo = [s for s in specs if tid[s.id] not in done]
+        if done:
+            log(f"resuming: {len(done)} of {len(specs)} rollouts already stored")
+        pending: list = []
+
+        def store(t=None, final: bool = False) -> None:
+            if t is not None:
+                pending.append(t)
+            if pending and (final or len(pending) >= ROLLOUT_CHUNK):
+                st.write(pending)
+                done.update(x.trajectory_id for x in pending)
+                pending.clear()
+                _dump(progress, {"stored": len(done), "total": len(specs)})
+
+        async def go():
+            await load_weights(urls, checkpoint, version=WARM_VERSION)
+            log(f"loaded {checkpoint} into {len(urls)} worker(s); rolling out {len(todo)} environments")
+            policy = await open_policy(urls, router_url)
+            try:
+                return await run_episodes(Agent(policy, tok, sb, cfg.agent), todo, iteration, cfg.loop.in_flight,
+                                          on_done=store, trajectory_ids=[tid[s.id] for s in todo])
+            finally:
+                await close_policy(policy)
+
+        if todo:
+            asyncio.run(go())
+        store(final=True)
+        trajs = st.read(iteration, ids=list(tid.values()))
+        n = len(trajs)
         export = st.export_parquet(iteration, store_path.parent / "parquet")
-    return {"trajectories": n, "tokens": sum(t.n_tokens for t in trajs), "store": str(store_path), "parquet": str(export),
+    return {"trajectories": n, "resumed_with": len(specs) - len(todo), "tokens": sum(t.n_tokens for t in trajs),
+            "store": str(store_path), "parquet": str(export),
             "trajectory_ids": [t.trajectory_id for t in trajs], "policy_version": WARM_VERSION,
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
             "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),  # per-domain rewards: `rewards`
@@ -449,15 +506,17 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         loop.resume(state)
         start, hist = state.step, list(state.extra.get("history", []))
         n0 = len(hist)
-        log(f"{domain}: resumed from {state.path} (step {start}, policy v{loop.version})")
+        dropped = rec.repair(f"sao:{domain}", start) if main else 0
+        log(f"{domain}: resumed from {state.path} (step {start}, policy v{loop.version})"
+            + (f"; dropped {dropped} consumption rows of the steps being redone" if dropped else ""))
 
     def on_step(st: dict) -> None:
         hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
         step = start + len(hist) - n0
         metrics({k: hist[-1][k] for k in SAO_CURVES if k in hist[-1]}, len(hist) - 1)
         if main and (step % cfg.loop.save_every == 0 or step == cfg.loop.steps):
+            rec.flush(loop.consumption)  # the store first: a kill between the two leaves it ahead (repaired on resume)
             loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
-            rec.flush(loop.consumption)
         mm = (f" mismatch {st['mismatch_fresh_mean']:.1e} (max {st['mismatch_fresh_max']:.1e})"
               if "mismatch_fresh_mean" in st else "")
         log(f"{domain}: SAO step {step}/{cfg.loop.steps} reward {st['batch_reward']:.2f} v{st['version']}{mm}")
@@ -558,6 +617,10 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     version = 1 + start  # the student's policy version on the engines: one per OPD step
     backend = _backend(cfg, student, tok, out, urls, router_url, version=version, name="opd")
     rec, consumption = Recorder(store_path), []
+    if start:
+        dropped = rec.repair("opd", start)
+        if dropped:
+            log(f"OPD: dropped {dropped} consumption rows of the steps being redone")
 
     async def episodes(batch):
         async with backend.session() as policy:
@@ -582,9 +645,9 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             version += 1
             backend.push(student, version)
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:
+                rec.flush(consumption)  # the store first, as in sao_expert
                 save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1, policy_version=2,
                                     data_cursor=step + 1, extra={"history": hist}, keep=2)
-                rec.flush(consumption)
             log(f"OPD step {step + 1}/{cfg.opd.steps} reverse KL {st.get('reverse_kl', 0.0):.4f}")
         rec.flush(consumption)
     finally:

@@ -741,6 +741,19 @@ class TrajectoryStore(_Queries):
             rows = cur.execute(q, [stage] if stage else []).fetchall()
         return [dict(zip(CONSUMPTION_COLUMNS, r)) for r in rows]
 
+    def drop_consumption_after(self, consumer: str, step: int) -> int:
+        """Delete `consumer`'s consumption rows of steps after `step`; returns how many. A stage resumed from its
+        checkpoint at `step` redoes those steps, so rows a killed attempt wrote for them would count twice. (The
+        trajectories stay: they were generated; only what the lost steps did with them is undone.)"""
+        if self.read_only:
+            raise RuntimeError(f"{self.path} was opened read-only")
+        with self._wlock:
+            con = self._wcon
+            n = con.execute("SELECT count(*) FROM consumption WHERE consumer = ? AND step > ?", [consumer, step]).fetchone()[0]
+            if n:
+                con.execute("DELETE FROM consumption WHERE consumer = ? AND step > ?", [consumer, step])
+        return int(n)
+
     def write_arrow(self, traj_tbl: pa.Table, seg_tbl: pa.Table, consumption: Sequence[dict] = ()) -> int:
         """Append pre-built tables (see `to_arrow`) in one transaction; same rules as `write`."""
         if self.read_only:

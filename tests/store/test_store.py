@@ -472,3 +472,26 @@ def test_kill_mid_write_loses_nothing_committed(tmp_path, mode):
         assert n_seg == want
         store.write(make(3, prefix="after"))  # and the store takes writes again
         assert store.count() == len(got) + 3
+
+
+def test_drop_consumption_after_undoes_only_the_redone_steps(tmp_path):
+    """A stage resumed from its checkpoint at step 2 redoes steps 3.. : exactly its rows of those steps go; other
+    consumers' rows, earlier steps and the trajectories themselves stay."""
+    rng = np.random.default_rng(4)
+    trajs = [random_trajectory(rng, f"t{i}") for i in range(6)]
+
+    def row(i, consumer, step):
+        return {"trajectory_id": f"t{i}", "stage": "sao", "consumer": consumer, "step": step, "policy_version": step,
+                "staleness": 0, "outcome": "trained"}
+
+    rows = [row(i, "sao:math", 1 + i // 2) for i in range(6)] + [row(i, "sao:code", 1 + i // 2) for i in range(6)]
+    with TrajectoryStore(tmp_path / "s.duckdb") as st:
+        st.write(trajs, rows)
+        assert st.drop_consumption_after("sao:math", 2) == 2
+        assert st.drop_consumption_after("sao:math", 2) == 0
+        left = st.consumption()
+        assert st.count() == 6
+    assert sorted((r["consumer"], r["step"]) for r in left) == sorted(
+        [("sao:math", 1)] * 2 + [("sao:math", 2)] * 2 + [("sao:code", s) for s in (1, 1, 2, 2, 3, 3)])
+    with TrajectoryStore(tmp_path / "s.duckdb", read_only=True) as st, pytest.raises(RuntimeError, match="read-only"):
+        st.drop_consumption_after("sao:math", 0)
