@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/dsa_decode.py
 	$(BIN)/python bench/indexshare_prefill.py
 	$(BIN)/python bench/envs_throughput.py
+	$(BIN)/python bench/server_load.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
