@@ -72,7 +72,7 @@ def _stage(context, pipes: StageRunner, temper: TemperResource, sandbox: Sandbox
     tr = temper.tracker()  # the child logs its training curves into the stage's MLflow run as it trains
     live = {"uri": tr.uri, "run_id": tr.stage_run(_iteration_run(temper, it), it, mlflow_stage or stage)}
     inv = pipes.run(context, stage, [sys.executable, "-m", "stages.step", stage], trainer.env(),
-                    {"stage": stage, "preset": temper.preset_name, "overrides": temper.overrides + sandbox.overrides(),
+                    {"stage": stage, "preset": temper.preset_name, "overrides": temper.all_overrides() + sandbox.overrides(),
                      "kwargs": kwargs, "materialize": materialize, "mlflow": live}, temper.root())
     msgs = [m for m in inv.get_custom_messages() if isinstance(m, dict) and m.get("stage") == stage]
     if not msgs:
@@ -115,7 +115,7 @@ def _iteration_run(temper: TemperResource, iteration: str) -> str:
     ctx = dg.AssetExecutionContext.get()
     tags = {"dagster_run_id": ctx.run.run_id if ctx else "", "dagster_partition": iteration,
             "mlflow.source.git.commit": git_commit(), "preset": temper.preset_name,
-            "overrides": ",".join(temper.overrides)[:4000]}
+            "overrides": ",".join(temper.all_overrides())[:4000]}
     tr = temper.tracker()
     if ctx is not None and ctx.run.tags.get("temper/mlflow_uri") != tr.uri:  # where a run-failure sensor looks
         ctx.instance.add_run_tags(ctx.run.run_id, {"temper/mlflow_uri": tr.uri})
@@ -378,7 +378,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     run = _iteration_run(temper, it)
     curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in experts.items()}
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
-           params={"preset": temper.preset_name, "overrides": ",".join(temper.overrides), "student": out["student"]})
+           params={"preset": temper.preset_name, "overrides": ",".join(temper.all_overrides()), "student": out["student"]})
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
     reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"],
                               significant=out["significant"], p_value=out["p_value"])

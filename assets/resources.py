@@ -9,27 +9,91 @@ under the run root whose writers share the `duckdb_writer` concurrency pool (lim
 import contextlib
 import enum
 import functools
+import json
+import types
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import dagster as dg
-from pydantic import model_validator
+from pydantic import BaseModel, Field, create_model, model_validator
 
 # the shipped presets, as an enum: the Launchpad (and `validate_run_config`) refuses any other name
 Preset = enum.Enum("Preset", {p.stem: p.stem for p in sorted((Path(__file__).parents[1] / "configs" / "presets")
                                                               .glob("*.yaml"))}, type=str)
 
 
+def _leaf_type(tp, name: str):
+    """The Dagster-config type of one IterationConfig leaf (None: not expressible; set it through `overrides`)."""
+    origin = typing.get_origin(tp)
+    if tp in (int, float, bool, str):
+        return tp
+    if origin is typing.Literal:
+        vals = typing.get_args(tp)
+        if all(isinstance(v, str) for v in vals):
+            return enum.Enum(name, {v: v for v in vals}, type=str)
+        return int if all(isinstance(v, int) and not isinstance(v, bool) for v in vals) else None
+    if origin is list:
+        args = typing.get_args(tp)
+        inner = _leaf_type(args[0], name) if args else None
+        return list[inner] if inner in (int, float, bool, str) or isinstance(inner, enum.EnumMeta) else None
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _leaf_type(args[0], name) if len(args) == 1 else None
+    return None
+
+
+def _settings_schema(model: type[BaseModel], name: str) -> type[dg.Config]:
+    """A Dagster Config mirroring `model` (IterationConfig), every leaf optional (unset: the preset's value), typed
+    as in the config — ints, floats, bools, strings, enums for literals, lists of those — so the Launchpad checks
+    each value's type and each key's spelling before a run exists. Ranges and cross-field rules are checked when
+    the resource is built, with the key named."""
+    fields: dict = {}
+    for fname, f in model.model_fields.items():
+        sub_name = name + fname.title().replace("_", "")
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            sub = _settings_schema(f.annotation, sub_name)
+            fields[fname] = (sub, sub())
+        elif (leaf := _leaf_type(f.annotation, sub_name)) is not None:
+            fields[fname] = (leaf | None, Field(default=None, description=f.description))
+    return create_model(name, __base__=dg.Config, __doc__=f"typed overrides of {model.__name__}", **fields)
+
+
+def _flatten(values: dict, prefix: str = "") -> list[str]:
+    """`settings` as `key.path=value` overrides (set leaves only)."""
+    out = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        elif v is not None:
+            v = [x.value if isinstance(x, enum.Enum) else x for x in v] if isinstance(v, list) else v
+            out.append(f"{prefix}{k}={json.dumps(v.value if isinstance(v, enum.Enum) else v)}")
+    return out
+
+
+def _iteration_settings():
+    from configs import IterationConfig
+
+    return _settings_schema(IterationConfig, "Settings")
+
+
+Settings = _iteration_settings()
+
+
 class TemperResource(dg.ConfigurableResource):
     """The IterationConfig (a preset plus Launchpad overrides) and where runs, trajectories and tracking live.
 
-    The preset is an enum in the config schema. The overrides are resolved against it when the resource is
-    built, so a bad key or value stops the run before any asset computes, with the key named (and a "did you
-    mean"); `temper run` resolves them before it creates a partition."""
+    The preset is an enum in the config schema, and `settings` mirrors the whole IterationConfig with typed,
+    optional leaves (`settings: {loop: {steps: 40}}`): the Launchpad refuses a misspelt key or a value of the
+    wrong type before a run exists. `overrides` (`key.path=value` strings, applied before `settings`) reach the
+    few fields the typed schema cannot express. Both are resolved against the preset when the resource is built,
+    so a bad key or value stops the run before any asset computes, with the key named (and a "did you mean");
+    `temper run` resolves them before it creates a partition."""
 
     preset: Preset = Preset.tiny
     overrides: list[str] = []
+    settings: Settings = Settings()
     run_root: str = "runs/pipeline"
     mlflow_uri: str = ""  # default: sqlite under run_root
     mlflow_ui: str = ""  # e.g. http://127.0.0.1:5000 (what `make ui` serves): turns run links into URLs
@@ -38,8 +102,13 @@ class TemperResource(dg.ConfigurableResource):
     def _resolves(self):
         import configs
 
-        configs.load(self.preset_name, self.overrides)  # ConfigError (a ValueError) names the bad key
+        configs.load(self.preset_name, self.all_overrides())  # ConfigError (a ValueError) names the bad key
         return self
+
+    def all_overrides(self) -> list[str]:
+        """`overrides`, then the set `settings` leaves as `key.path=value` (later ones win)."""
+        st = self.settings
+        return [*self.overrides, *_flatten(st.model_dump() if isinstance(st, BaseModel) else dict(st or {}))]
 
     @property
     def preset_name(self) -> str:
@@ -48,7 +117,7 @@ class TemperResource(dg.ConfigurableResource):
     def config(self):
         import configs
 
-        return configs.load(self.preset_name, self.overrides)
+        return configs.load(self.preset_name, self.all_overrides())
 
     def root(self) -> Path:
         """The run root, absolute: every path an asset records is absolute."""

@@ -230,6 +230,34 @@ def test_launch_refuses_a_bad_preset_and_bad_overrides():
     assert TemperResource(preset="micro", overrides=["loop.steps=3"]).config().loop.steps == 3
 
 
+def test_launchpad_checks_typed_settings_before_a_run_exists():
+    """`settings` mirrors IterationConfig with typed leaves: the Launchpad's own validation (no user code runs
+    there) refuses a wrong type, a misspelt key and an unknown enum value, each at its path; good values reach the
+    stages' config, after the string overrides."""
+    job = defs.resolve_job_def("iteration")
+
+    def launch(settings):
+        return dg.validate_run_config(job, {"resources": {"temper": {"config": {"preset": "micro",
+                                                                                "settings": settings}}}})
+
+    for settings, why in (({"loop": {"steps": "many"}}, r"settings:loop:steps.*not valid for expected type \"Int\""),
+                          ({"loop": {"stepz": 3}}, r"unexpected config entry \"stepz\" at path .*settings:loop"),
+                          ({"loop": {"mode": "asink"}}, r"settings:loop:mode not in enum type .* got asink"),
+                          ({"envs": {"patterns": "kv-lookup"}}, r"settings:envs:patterns"),
+                          ({"sao": {"exact_rows": "yes"}}, r"settings:sao:exact_rows")):
+        with pytest.raises(dg.DagsterInvalidConfigError, match=why):
+            launch(settings)
+    launch({"loop": {"steps": 40, "mode": "sync"}, "envs": {"patterns": ["kv-lookup"]}, "sao": {"lr": 1e-3}})
+    res = TemperResource(preset="micro", overrides=["loop.steps=3", "opd.steps=2"],
+                         settings={"loop": {"steps": 40, "mode": "sync"}, "envs": {"patterns": ["kv-lookup"]}})
+    cfg = res.config()
+    assert (cfg.loop.steps, cfg.loop.mode, cfg.envs.patterns, cfg.opd.steps) == (40, "sync", ["kv-lookup"], 2)
+    assert cfg.sao == configs.load("micro").sao  # unset leaves keep the preset's values
+    # what the schema cannot express (ranges, cross-field rules) is refused when the resource is built
+    with pytest.raises(ValueError, match="loop.steps"):
+        TemperResource(preset="micro", settings={"loop": {"steps": -1}})
+
+
 def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, monkeypatch, capsys):
     """A bad override fails before any partition exists (with a did-you-mean); a failed iteration's MLflow runs
     end FAILED, and the next `temper run` reruns that iteration instead of burning a new number."""
