@@ -326,9 +326,11 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     specs = read_dataset(rl_set(envs))
-    # one rollout per environment, under an id fixed by the iteration and the environment: a rerun after a kill
-    # finds what the killed attempt stored (written in chunks as episodes finish) and rolls out only the rest
-    tid = {s.id: f"rollout-{iteration}-{s.id}" for s in specs}
+    # one rollout per environment, under an id fixed by the iteration, the policy's weights and the environment:
+    # a rerun after a kill finds what the killed attempt stored (written in chunks as episodes finish) and rolls
+    # out only the rest; a different warm start gets new ids, never another policy's rollouts
+    tag = _weights_tag(checkpoint)
+    tid = {s.id: f"rollout-{iteration}-{tag}-{s.id}" for s in specs}
     progress = store_path.parent / f"rollouts-{iteration:04d}.progress.json"
     with TrajectoryStore(store_path) as st:
         done = {t.trajectory_id for t in st.read(iteration, ids=list(tid.values()))}
@@ -369,6 +371,18 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
             "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),  # per-domain rewards: `rewards`
             "family_reward": {f: sum(t.reward for t in trajs if t.family == f) / sum(1 for t in trajs if t.family == f)
                               for f in sorted({t.family for t in trajs})}}
+
+
+def _weights_tag(checkpoint: str) -> str:
+    """12 hex digits of the sha256 of a checkpoint's weight files: which policy generated a stored rollout."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:12]
 
 
 def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None = None, rl_set_dir: str | None = None,

@@ -30,6 +30,18 @@ def test_rollouts_through_two_servers_by_url(tmp_path):
     versions = {v for t in trajs for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m}
     assert versions == {stages.WARM_VERSION}  # every generated token came from the warm start, served at its version
     assert sorted(out["trajectory_ids"]) == sorted(t.trajectory_id for t in trajs)
+    # a rerun with the same policy finds every rollout stored and generates none; another policy gets its own
+    with embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
+        again = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, tmp_path / "t.duckdb", iteration=7,
+                                       urls=urls)
+        assert again["resumed_with"] == out["trajectories"] and again["trajectory_ids"] == out["trajectory_ids"]
+        torch.manual_seed(2)
+        save_checkpoint(Transformer(cfg.model), tmp_path / "other", policy_version=1)
+        other = stages.rollout_batches(cfg, str(tmp_path / "other"), envs, tmp_path / "t.duckdb", iteration=7,
+                                       urls=urls)
+    assert other["resumed_with"] == 0 and not set(other["trajectory_ids"]) & set(out["trajectory_ids"])
+    with TrajectoryStore(tmp_path / "t.duckdb", read_only=True) as st:
+        assert st.count(iteration=7) == 2 * out["trajectories"]
 
 
 def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
