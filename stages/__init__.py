@@ -168,27 +168,25 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     # (or with the same environments) judges only what is not judged yet
     cache = out / "reports"
     cache.mkdir(parents=True, exist_ok=True)
-    reused = 0
 
-    def judge(i: int) -> GateReport:
-        nonlocal reused
+    def judge(i: int) -> tuple[GateReport, bool]:
+        """(the verdict, whether it was kept from an earlier attempt)"""
         spec, probes = every[i][1], cfg.envs.probes and i % cfg.envs.probe_every == 0
         path = cache / f"{spec.spec_hash}-{'probes' if probes else 'triad'}-{sb.name}.json"
         if path.exists():
             try:
-                rep = GateReport(**json.loads(path.read_text()))
-                reused += 1
-                return rep
+                return GateReport(**json.loads(path.read_text())), True
             except (ValueError, TypeError):  # a torn write: judge again
                 pass
         rep = validate(spec, sb, probes=probes)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(rep.to_dict(), default=str))
         tmp.replace(path)
-        return rep
+        return rep, False
 
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
-        reports = list(pool.map(judge, range(len(every))))
+        judged = list(pool.map(judge, range(len(every))))
+    reports, reused = [r for r, _ in judged], sum(kept for _, kept in judged)
     log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted"
         + (f" ({reused} verdicts kept from an earlier attempt)" if reused else ""))
     res: dict = {"eval": specs["eval"]}
@@ -329,7 +327,9 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
     # one rollout per environment, under an id fixed by the iteration, the policy's weights and the environment:
     # a rerun after a kill finds what the killed attempt stored (written in chunks as episodes finish) and rolls
     # out only the rest; a different warm start gets new ids, never another policy's rollouts
-    tag = _weights_tag(checkpoint)
+    from trainers.base import weights_sha256
+
+    tag = weights_sha256(checkpoint)[:12]  # which policy generated a stored rollout
     tid = {s.id: f"rollout-{iteration}-{tag}-{s.id}" for s in specs}
     progress = store_path.parent / f"rollouts-{iteration:04d}.progress.json"
     with TrajectoryStore(store_path) as st:
@@ -371,18 +371,6 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
             "compactions": sum(max(0, len(t.segments) - 1) for t in trajs),  # per-domain rewards: `rewards`
             "family_reward": {f: sum(t.reward for t in trajs if t.family == f) / sum(1 for t in trajs if t.family == f)
                               for f in sorted({t.family for t in trajs})}}
-
-
-def _weights_tag(checkpoint: str) -> str:
-    """12 hex digits of the sha256 of a checkpoint's weight files: which policy generated a stored rollout."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(Path(checkpoint).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:12]
 
 
 def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None = None, rl_set_dir: str | None = None,

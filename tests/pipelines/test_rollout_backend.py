@@ -5,6 +5,7 @@ import dagster as dg
 import httpx
 import pytest
 import torch
+from micro_rollouts import stored_rollouts
 
 import configs
 import stages
@@ -49,13 +50,7 @@ def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
     and SAO's critic pre-trains on that domain's rollouts, read back from the store, then takes its first step on them."""
     cfg = configs.load("micro", ["envs.n_train=8", "envs.n_eval=1", "envs.probes=false", "loop.steps=2",
                                  "sao.value_pretrain_steps=1", "loop.warm_rollouts=train"])
-    specs = stages.env_specs(cfg, tmp_path / "envs")
-    envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
-    torch.manual_seed(1)
-    save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
-    store = tmp_path / "t.duckdb"
-    with embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
-        ro = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, store, iteration=2, urls=urls)
+    envs, store, ro = stored_rollouts(cfg, tmp_path, iteration=2)
     # an unrelated trajectory of the same iteration in the store: `rewards` scores only rollout_batches' own
     with TrajectoryStore(store) as st:
         extra = st.read(2, limit=1)[0]

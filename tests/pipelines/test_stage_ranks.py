@@ -7,11 +7,11 @@ and rank 0 alone writes the store.
 """
 
 import torch
+from micro_rollouts import stored_rollouts
 
 import configs
 import stages
-from model import Transformer, load_checkpoint, save_checkpoint
-from rollout.backend import embedded_servers
+from model import Transformer, load_checkpoint
 from store import TrajectoryStore
 
 
@@ -19,13 +19,7 @@ def test_sao_expert_under_torchrun_takes_the_one_rank_step(tmp_path):
     over = ["envs.n_train=8", "envs.n_eval=1", "envs.probes=false", "loop.steps=1", "sao.value_pretrain_steps=1",
             "loop.warm_rollouts=train", "sao.lr=1e-3", "sao.warmup_steps=0"]
     cfg = configs.load("micro", over)
-    specs = stages.env_specs(cfg, tmp_path / "envs")
-    envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
-    torch.manual_seed(1)
-    save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
-    store = tmp_path / "t.duckdb"
-    with embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
-        ro = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, store, iteration=2, urls=urls)
+    envs, store, ro = stored_rollouts(cfg, tmp_path, iteration=2)
     scored = stages.rewards(store, 2, ro["trajectory_ids"])
     dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])
     # a random policy earns nothing: copies of the stored rollouts with alternating rewards give the step a signal

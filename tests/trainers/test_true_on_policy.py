@@ -79,3 +79,47 @@ def test_padded_rows_are_not_forwarded_when_exact(actor):
         for i, n in enumerate(lengths):
             alone = rows_logprobs(actor, ids[i : i + 1, :n], [n])[0]
             assert torch.equal(both[i, :n], alone[0]) and not both[i, n:].any()
+
+
+class _Scorer:
+    """A policy whose scoring reply says `exact` (or not) and which version scored: every input log-prob is -1.0."""
+
+    scores = True
+
+    def __init__(self, exact: bool, version: int):
+        self.exact, self.version, self.calls = exact, version, 0
+
+    async def generate(self, input_ids, sampling_params=None, **kw):
+        self.calls += 1
+        meta = {"input_token_logprobs": [[None if i == 0 else -1.0, t, None] for i, t in enumerate(input_ids)],
+                "weight_version": str(self.version), "finish_reason": {"type": "length"}}
+        if self.exact:
+            meta["exact_scoring"] = True
+        return {"output_ids": [], "meta_info": meta}
+
+
+def test_rescoring_replaces_only_the_scoring_versions_tokens():
+    """A push landed mid-segment: tokens 3-4 came from version 2, tokens 6-7 from version 3, and version 3 scored
+    the segment. Only 6-7 take the scores; 3-4 keep what they were decoded with; prompt tokens stay 0. An engine
+    that does not score exactly changes nothing and is not asked again."""
+    from rollout.agent import _Seg
+
+    def segment():
+        seg = _Seg()
+        seg.add([1, 2, 3])
+        seg.add([4, 5], True, [-0.3, -0.4], [2, 2])
+        seg.add([6])
+        seg.add([7, 8], True, [-0.6, -0.7], [3, 3])
+        return seg
+
+    agent = Agent(_Scorer(exact=True, version=3), TOK, make_sandbox(), AgentConfig())
+    out = asyncio.run(agent._close(segment(), 1, "sid"))
+    assert out.logprobs == [0.0, 0.0, 0.0, -0.3, -0.4, 0.0, -1.0, -1.0]
+    inexact = _Scorer(exact=False, version=3)
+    agent = Agent(inexact, TOK, make_sandbox(), AgentConfig())
+    first, second = (asyncio.run(agent._close(segment(), 1, "sid")) for _ in range(2))
+    assert first.logprobs == second.logprobs == [0.0, 0.0, 0.0, -0.3, -0.4, 0.0, -0.6, -0.7]
+    assert inexact.calls == 1
+    off = _Scorer(exact=True, version=3)
+    assert asyncio.run(Agent(off, TOK, make_sandbox(), AgentConfig(rescore=False))._close(segment(), 1, "s")).logprobs \
+        == [0.0, 0.0, 0.0, -0.3, -0.4, 0.0, -0.6, -0.7] and off.calls == 0

@@ -1,0 +1,20 @@
+"""A `micro` iteration up to its stored rollouts, for the pipeline tests that start from them."""
+
+import torch
+
+import stages
+from model import Transformer, save_checkpoint
+from rollout.backend import embedded_servers
+
+
+def stored_rollouts(cfg, tmp_path, iteration: int):
+    """Environments (gated), a random policy at `tmp_path/policy` and its rollouts in `tmp_path/t.duckdb`:
+    (envs, store path, rollout_batches' result)."""
+    specs = stages.env_specs(cfg, tmp_path / "envs")
+    envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
+    torch.manual_seed(1)
+    save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
+    store = tmp_path / "t.duckdb"
+    with embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
+        ro = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, store, iteration=iteration, urls=urls)
+    return envs, store, ro
