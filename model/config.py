@@ -8,13 +8,42 @@ reproduce the published models.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+logger = logging.getLogger(__name__)
+
 ModelType = Literal["glm_moe_dsa", "deepseek_v32"]
 IndexerType = Literal["full", "shared"]
+
+# config.json keys `from_hf_dict` reads (`quantization_config`: `checkpoint.load_checkpoint`), ...
+_HF_READ = frozenset({
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "first_k_dense_replace", "intermediate_size",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "attention_bias", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+    "routed_scaling_factor", "scoring_func", "norm_topk_prob", "index_n_heads", "index_head_dim", "index_topk",
+    "indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "indexer_rope_interleave",
+    "num_nextn_predict_layers", "rms_norm_eps", "initializer_range", "tie_word_embeddings", "bos_token_id",
+    "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "quantization_config", "temper",
+})
+# ... standard keys it ignores on purpose (bookkeeping, derived, inference/parallelism settings), ...
+_HF_IGNORED = frozenset({
+    "transformers_version", "architectures", "auto_map", "use_cache", "num_key_value_heads", "head_dim",
+    "qk_head_dim", "attention_dropout", "mlp_layer_types", "layer_types", "output_router_logits", "ep_size",
+    "moe_router_dtype", "pretraining_tp",
+})
+# ... and keys it accepts only at the value temper implements (any other value is reported as unknown).
+_HF_FIXED: dict[str, Any] = {
+    "hidden_act": "silu", "topk_method": "noaux_tc", "rope_interleave": True, "mlp_bias": False, "moe_layer_freq": 1,
+    "index_share_for_mtp_iteration": False,
+}
+_TEMPER_KEYS = frozenset({"use_dsa", "indexer_rope_interleave", "mtp_draft_steps"})
+# HF's default `index_skip_topk_offset` when only `index_topk_freq` is given (transformers GlmMoeDsaConfig, SGLang).
+_HF_DEFAULT_SKIP_OFFSET = 2
 
 
 class YarnConfig(BaseModel):
@@ -35,10 +64,57 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def shared_indexer_pattern(num_layers: int, freq: int, offset: int) -> list[str]:
-    """IndexShare layout. Layer i (0-based) runs its own indexer iff max(i - offset + 1, 0) % freq == 0,
-    which is Megatron's rule `(max(layer - max(offset, 1), 0) mod freq) == 0` with 1-based layer numbers."""
-    freq = max(freq, 1)
+    """IndexShare layout. Layer i (0-based) runs its own indexer iff max(i - max(offset, 1) + 1, 0) % freq == 0,
+    which is Megatron's rule `(max(layer - max(offset, 1), 0) mod freq) == 0` with 1-based layer numbers, and the
+    HF rule (transformers GlmMoeDsaConfig, SGLang: `max(i - index_skip_topk_offset + 1, 0) % index_topk_freq`)
+    for offset >= 1. An offset of 0 is clamped to 1 as Megatron does (the HF rule unclamped would make layer 0
+    "shared", with no leader); `to_hf_dict` writes the clamped value, so every reader sees the same layout."""
+    freq, offset = max(freq, 1), max(offset, 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _parse_topk_pattern(pattern: Any, n: int) -> list[str]:
+    """`index_topk_pattern`: one marker per layer, "F" (runs the indexer) / "S" (shares), as a string ("FSSF...")
+    or a list (of "F"/"S" or "full"/"shared")."""
+    names = {"F": "full", "S": "shared", "full": "full", "shared": "shared"}
+    if not isinstance(pattern, (str, list)) or any(not isinstance(c, str) or c not in names for c in pattern):
+        raise ValueError(f"index_topk_pattern: {pattern!r} is not a string or list of 'F'/'S' per layer")
+    if len(pattern) != n:
+        raise ValueError(f"index_topk_pattern: has {len(pattern)} entries, need num_hidden_layers={n}")
+    return [names[c] for c in pattern]
+
+
+def _hf_indexshare(d: dict[str, Any], n: int) -> dict[str, Any]:
+    """`ModelConfig` IndexShare kwargs from HF keys: `indexer_types` / `index_topk_pattern` -> `indexer_types`,
+    `index_topk_freq` -> `index_share_freq`, `index_skip_topk_offset` -> `index_share_offset`. Every layout the
+    dict gives must agree; a periodic one is kept as freq/offset so that it round-trips field for field."""
+    kw: dict[str, Any] = {}
+    layouts: dict[str, list[str]] = {}
+    if d.get("indexer_types") is not None:
+        kw["indexer_types"] = layouts["indexer_types"] = list(d["indexer_types"])
+    if d.get("index_topk_pattern") is not None:
+        layouts["index_topk_pattern"] = _parse_topk_pattern(d["index_topk_pattern"], n)
+        kw.setdefault("indexer_types", layouts["index_topk_pattern"])
+    freq, offset = d.get("index_topk_freq"), d.get("index_skip_topk_offset")
+    if freq is not None and (not isinstance(freq, int) or freq < 1):
+        raise ValueError(f"index_topk_freq: must be an integer >= 1, got {freq!r}")
+    if offset is not None and (not isinstance(offset, int) or offset < 0):
+        raise ValueError(f"index_skip_topk_offset: must be an integer >= 0, got {offset!r}")
+    if offset is not None:
+        kw["index_share_offset"] = offset
+    if freq is not None:
+        offset = _HF_DEFAULT_SKIP_OFFSET if offset is None else offset
+        kw.update(index_share_freq=freq, index_share_offset=offset)
+        layouts["index_topk_freq/index_skip_topk_offset"] = periodic = shared_indexer_pattern(n, freq, offset)
+        if kw.get("indexer_types") == periodic:
+            del kw["indexer_types"]
+    keys = list(layouts)
+    for key in keys[1:]:
+        got, want = layouts[key], layouts[keys[0]]
+        if got != want:
+            at = next((f"layer {i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(got, want)) if a != b), "lengths")
+            raise ValueError(f"{key}: disagrees with {keys[0]} on the IndexShare layout ({at})")
+    return kw
 
 
 class ModelConfig(BaseModel):
@@ -81,7 +157,7 @@ class ModelConfig(BaseModel):
     indexer_rope_interleave: bool | None = None  # None: by model_type (GLM-5 interleaved, V3.2 half-split)
     indexer_types: list[IndexerType] | None = None
     index_share_freq: int = Field(default=1, gt=0)
-    index_share_offset: int = Field(default=1, ge=0)
+    index_share_offset: int = Field(default=1, ge=0)  # 0 acts as 1, as in Megatron (see shared_indexer_pattern)
     # MTP
     num_nextn_predict_layers: int = Field(default=1, ge=0)
     mtp_draft_steps: int = Field(default=1, ge=1)
@@ -211,13 +287,41 @@ class ModelConfig(BaseModel):
         }
         if self.model_type == "glm_moe_dsa":
             d["indexer_types"] = self.layer_indexer_types() if self.use_dsa else None
+            d["indexer_rope_interleave"] = self.rope_interleave_indexer  # SGLang / vLLM read it (default False)
+        d.update(self._hf_indexshare_keys())
         return d
 
+    def _hf_indexshare_keys(self) -> dict[str, Any]:
+        """The standard keys transformers / SGLang read an IndexShare layout from, written (as in GLM-5.2's
+        config.json) only when some layer shares: `index_topk_freq` / `index_skip_topk_offset` for the periodic
+        layout (offset clamped to >= 1, see `shared_indexer_pattern`), else `index_topk_pattern` ("F"/"S")."""
+        types = self.layer_indexer_types()
+        if "shared" not in types:
+            return {}
+        if self.indexer_types is None:
+            return {"index_topk_freq": self.index_share_freq, "index_skip_topk_offset": max(self.index_share_offset, 1)}
+        return {"index_topk_pattern": "".join("F" if t == "full" else "S" for t in types)}
+
+    @staticmethod
+    def hf_unknown_keys(d: dict[str, Any]) -> list[str]:
+        """Keys of an HF config dict that `from_hf_dict` does not understand (`temper.<key>` for the temper block),
+        including keys it accepts only at one value (`rope_interleave`, ...) when they hold another."""
+        unknown = [k for k in d if k not in _HF_READ | _HF_IGNORED and (k not in _HF_FIXED or d[k] != _HF_FIXED[k])]
+        unknown += [f"temper.{k}" for k in d.get("temper") or {} if k not in _TEMPER_KEYS]
+        return sorted(unknown)
+
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, d: dict[str, Any], strict: bool = False) -> ModelConfig:
+        """Build from a `config.json` dict. Keys it does not understand (`hf_unknown_keys`) are logged as a
+        warning, or raise a ValueError naming them if `strict`."""
         mt = d.get("model_type")
         if mt not in ("glm_moe_dsa", "deepseek_v32"):
             raise ValueError(f"model_type: {mt!r} is not supported (expected 'glm_moe_dsa' or 'deepseek_v32')")
+        if unknown := cls.hf_unknown_keys(d):
+            msg = f"config.json keys temper does not understand: {', '.join(unknown)}"
+            if strict:
+                raise ValueError(msg)
+            logger.warning("%s (ignored)", msg)
         q_lora = d.get("q_lora_rank")
         rope = d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -237,7 +341,8 @@ class ModelConfig(BaseModel):
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-        indexer_types = d.get("indexer_types") if mt == "glm_moe_dsa" else None
+        indexshare = _hf_indexshare(d, d["num_hidden_layers"])
+        interleave = t.get("indexer_rope_interleave", d.get("indexer_rope_interleave"))
         return cls(
             model_type=mt,
             vocab_size=d["vocab_size"],
@@ -268,8 +373,8 @@ class ModelConfig(BaseModel):
             index_n_heads=d.get("index_n_heads", 64),
             index_head_dim=d.get("index_head_dim", 128),
             index_topk=d.get("index_topk", 2048),
-            indexer_rope_interleave=t.get("indexer_rope_interleave"),
-            indexer_types=indexer_types,
+            indexer_rope_interleave=interleave,
+            **indexshare,
             num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
             mtp_draft_steps=t.get("mtp_draft_steps", 1),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
