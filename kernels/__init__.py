@@ -65,7 +65,10 @@ def backend(*tensors: torch.Tensor) -> str:
     return "triton" if on_cuda and triton_available() else "reference"
 
 
-from .indexer import indexer_topk, indexer_topk_reference  # noqa: E402
+from .indexer import indexer_topk, indexer_topk_reference, stable_topk  # noqa: E402
+from .mla import sparse_mla, sparse_mla_reference  # noqa: E402
+from .moe import moe_experts, moe_experts_reference, route  # noqa: E402
+from .norm import chunked_cross_entropy, rms_norm, rms_norm_reference  # noqa: E402
 
 __all__ = [
     "backend",
@@ -76,8 +79,10 @@ __all__ = [
     "moe_experts",
     "moe_experts_reference",
     "rms_norm",
+    "route",
     "rms_norm_reference",
     "sparse_mla",
     "sparse_mla_reference",
+    "stable_topk",
     "triton_available",
 ]

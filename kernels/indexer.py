@@ -11,7 +11,8 @@ Triton path, no host sync:
 
 1. `_scores_kernel` computes a tile of scores with `tl.dot` per indexer head, applies the causal mask and
    packs each score with its position into one int64 *key*: the high 32 bits are the score's bits mapped
-   to an order-preserving signed integer (−0.0 folded onto +0.0), the low 32 bits are `2³¹−1−s`. Keys
+   to an order-preserving signed integer (the sums start at +0.0, so no −0.0 arises to split a tie), the
+   low 32 bits are `2³¹−1−s`. Keys
    are unique, their order is (score desc, position asc), so any exact top-k over keys is the
    deterministic selection.
 2. `_topk_kernel` streams each row's keys in tiles of `topk` (a power of two) and keeps a running top-k
@@ -135,7 +136,6 @@ if triton is not None:
             acc = acc * tl.load(ks_ptr + b * sks_b + cols, mask=cmask, other=0.0)[None, :]
         qp = tl.load(qpos_ptr + b * sp_b + t0 + rows, mask=rmask, other=0)
         acc = tl.where(cols[None, :] <= qp[:, None], acc, float("-inf"))
-        acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 → +0.0: equal scores must tie
         bits = acc.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
         key = ordered * 4294967296 + (2147483647 - cols).to(tl.int64)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
+
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
 
@@ -34,20 +36,6 @@ if TYPE_CHECKING:
 
 # Budget (elements) for one chunk of [heads, queries, keys] scores in the expanded / indexer paths.
 CHUNK_ELEMS = 1 << 25
-
-
-def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [..., k] of the k largest entries along the last dim, ascending by position.
-
-    Deterministic: among entries equal to the k-th largest value the earliest positions win, so the
-    selected *set* never depends on kernel scheduling (torch.topk gives no such guarantee on ties).
-    """
-    thr = scores.topk(k, dim=-1).values[..., -1:]
-    above = scores > thr
-    tie = scores == thr
-    need = k - above.sum(-1, keepdim=True)
-    sel = above | (tie & (tie.cumsum(-1) <= need))
-    return sel.nonzero()[:, -1].view(*scores.shape[:-1], k)
 
 
 @dataclass

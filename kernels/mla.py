@@ -83,7 +83,7 @@ if triton is not None:
         qp = tl.load(qpos_ptr + b * sp_b + t)
         base = kv_ptr + tl.load(rows_ptr + b) * skv_n
         m = tl.full((BH,), float("-inf"), tl.float32)
-        l = tl.zeros((BH,), tl.float32)
+        den = tl.zeros((BH,), tl.float32)
         acc = tl.zeros((BH, DV), tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
@@ -98,14 +98,14 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
+            den = den * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision=PREC)
             m = m_new
-        empty = l == 0.0
-        o = acc / tl.where(empty, 1.0, l)[:, None]
+        empty = den == 0.0
+        o = acc / tl.where(empty, 1.0, den)[:, None]
         tl.store(o_ptr + b * so_b + t * so_t + hh[:, None] * so_h + dv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=hm[:, None])
-        lse = tl.where(empty, float("inf"), m + tl.log(tl.where(empty, 1.0, l)))
+        lse = tl.where(empty, float("inf"), m + tl.log(tl.where(empty, 1.0, den)))
         tl.store(lse_ptr + b * sl_b + t * sl_t + hh, lse, mask=hm)
 
     @triton.jit

@@ -1,0 +1,115 @@
+"""RMSNorm (one fused Triton kernel each way) and cross-entropy chunked over rows.
+
+RMSNorm: y = w · (x / √(mean(x²) + eps)), statistics in fp32, the normalised value rounded to x's dtype
+before the weight multiplies (the convention of temper's `RMSNorm` and of transformers' Llama/GLM
+norms). The eager version launches ~6 kernels and keeps three temporaries per call; the fused one reads
+x once and writes y once, and its backward recomputes the statistics from x.
+
+`chunked_cross_entropy(hidden, weight, targets)` is the lm-head + cross-entropy without the [N, V]
+logits tensor: rows go through in chunks whose logits are recomputed in the backward
+(activation checkpointing per chunk). On a 150K vocabulary this is the largest single activation of a
+training step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from . import backend
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if backend(x, weight) == "reference" or x.shape[-1] > 65536:
+        return rms_norm_reference(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore: int) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=ignore, reduction="sum")
+
+
+def chunked_cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk: int = 4096) -> torch.Tensor:
+    """Mean cross-entropy of `hidden [N, H] · weightᵀ` against `targets [N]` (ignore_index skipped),
+    never holding more than `chunk` rows of logits."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[0], chunk):
+        h, t = hidden[i : i + chunk], targets[i : i + chunk]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            total = total + checkpoint(_ce_chunk, h, weight, t, ignore_index, use_reentrant=False)
+        else:
+            total = total + _ce_chunk(h, weight, t, ignore_index)
+    return total / (targets != ignore_index).sum().clamp_min(1)
+
+
+# ---- Triton ------------------------------------------------------------------------------------------
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, sx, sy, BD: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BD)
+        m = c < D
+        x = tl.load(x_ptr + row * sx + c, mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+        w = tl.load(w_ptr + c, mask=m, other=0.0)
+        xn = (x * rstd).to(x_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * sy + c, (w * xn).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(r_ptr + row, rstd)
+
+    @triton.jit
+    def _rms_bwd(x_ptr, w_ptr, dy_ptr, r_ptr, dx_ptr, dwp_ptr, D, sx, sdy, sdx, BD: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BD)
+        m = c < D
+        x = tl.load(x_ptr + row * sx + c, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * sdy + c, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(r_ptr + row)
+        xhat = x * rstd
+        g = dy * w  # d/d(xhat)
+        dx = rstd * (g - xhat * tl.sum(g * xhat, 0) / D)
+        tl.store(dx_ptr + row * sdx + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        xn = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(dwp_ptr + row * D + c, dy * xn, mask=m)  # per-row partials, summed by torch
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        n, d = x2.shape
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        y = torch.empty(n, d, dtype=out_dtype, device=x.device)
+        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+        bd = triton.next_power_of_2(d)
+        _rms_fwd[(n,)](x2, weight, y, rstd, d, eps, x2.stride(0), y.stride(0), BD=bd)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = shape
+        return y.view(*shape[:-1], d)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n, d = x2.shape
+        dy2 = dy.reshape(n, d).contiguous()
+        dx = torch.empty_like(x2)
+        dwp = torch.empty(n, d, dtype=torch.float32, device=x2.device)
+        _rms_bwd[(n,)](x2, weight, dy2, rstd, dx, dwp, d, x2.stride(0), dy2.stride(0), dx.stride(0),
+                       BD=triton.next_power_of_2(d))
+        return dx.view(ctx.shape), dwp.sum(0).to(weight.dtype), None

@@ -1,0 +1,266 @@
+"""Every Triton kernel against its torch twin, in fp32 at small shapes, under TRITON_INTERPRET=1 (tests/conftest.py
+sets it on a machine without CUDA), plus the twins against independent slow computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import indexer as kix
+from kernels import mla as kmla
+from kernels import moe as kmoe
+from kernels import norm as knorm
+
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
+
+
+@pytest.fixture
+def triton_mode(monkeypatch):
+    monkeypatch.setenv("TEMPER_KERNELS", "triton")
+    if not torch.cuda.is_available():
+        assert kernels.interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before kernels is imported"
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------------
+def test_dispatch_picks_reference_on_cpu_and_obeys_the_override(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv("TEMPER_KERNELS", raising=False)
+    assert kernels.backend(x) == "reference"
+    monkeypatch.setenv("TEMPER_KERNELS", "reference")
+    assert kernels.backend(x) == "reference"
+    monkeypatch.setenv("TEMPER_KERNELS", "tritn")
+    with pytest.raises(ValueError, match="TEMPER_KERNELS: 'tritn'"):
+        kernels.backend(x)
+    monkeypatch.setenv("TEMPER_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.backend(x)
+
+
+# ---- indexer top-k --------------------------------------------------------------------------------------------
+def _slow_topk(q, w, k, qpos, topk):
+    """Independent twin: float64 scores from the formula, sorted by (score desc, position asc) per query."""
+    b, t, hi, _ = q.shape
+    s = k.shape[1]
+    out = torch.empty(b, t, min(topk, s), dtype=torch.long)
+    for bi in range(b):
+        for ti in range(t):
+            sc = []
+            for si in range(s):
+                v = sum(float(w[bi, ti, j]) * max(float(q[bi, ti, j].double() @ k[bi, si].double()), 0.0)
+                        for j in range(hi))
+                sc.append((-(v if si <= qpos[bi, ti] else -math.inf), si))
+            out[bi, ti] = torch.tensor(sorted(p for _, p in sorted(sc)[: out.shape[-1]]))
+    return out
+
+
+def _grid_inputs(b, t, s, hi, d, seed=0):
+    """Values on a coarse dyadic grid: every score is exact in fp32 whatever the summation order, and many tie."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (b, t, hi, d), generator=g) * 0.5
+    w = torch.randint(-2, 3, (b, t, hi), generator=g) * 0.25
+    k = torch.randint(-2, 3, (b, s, d), generator=g) * 0.5
+    return q.float(), w.float(), k.float()
+
+
+@pytest.mark.parametrize("topk", [16, 12])  # a power of two, and one that pads the bitonic tiles
+def test_indexer_topk_selects_the_identical_set_ties_included(triton_mode, topk):
+    q, w, k = _grid_inputs(1, 4, 40, 2, 16)
+    w[0, 1] = 0.0  # query 1: every score is 0 → the earliest positions win
+    qpos = torch.tensor([[39, 5, 20, 33]])
+    got = kernels.indexer_topk(q, w, k, qpos, topk)
+    want = _slow_topk(q, w, k, qpos, topk)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0, 1], torch.arange(topk))
+    assert torch.equal(kix.indexer_topk_reference(q, w, k, qpos, topk), want)
+
+
+def test_indexer_topk_random_scores_and_fewer_keys_than_topk(triton_mode):
+    g = torch.Generator().manual_seed(1)
+    q, w, k = torch.randn(2, 3, 2, 16, generator=g), torch.randn(2, 3, 2, generator=g), torch.randn(2, 20, 16, generator=g)
+    qpos = torch.tensor([[3, 10, 19], [19, 0, 7]])
+    assert torch.equal(kernels.indexer_topk(q, w, k, qpos, 16), kix.indexer_topk_reference(q, w, k, qpos, 16))
+    few = kernels.indexer_topk(q[:, :, :, :], w, k[:, :12], qpos.clamp_max(11), 16)  # S=12 < topk
+    assert few.shape == (2, 3, 12) and torch.equal(few, torch.arange(12).expand(2, 3, 12))
+
+
+def test_indexer_fp8_mode_matches_its_twin_and_mostly_agrees_with_fp32(triton_mode):
+    g = torch.Generator().manual_seed(2)
+    q, w, k = torch.randn(1, 3, 2, 16, generator=g), torch.randn(1, 3, 2, generator=g), torch.randn(1, 48, 16, generator=g)
+    qpos = torch.tensor([[47, 47, 30]])
+    got = kernels.indexer_topk(q, w, k, qpos, 16, fp8=True)
+    assert torch.equal(got, kix.indexer_topk_reference(q, w, k, qpos, 16, fp8=True))
+    full = kix.indexer_topk_reference(q, w, k, qpos, 16)
+    shared = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got[0], full[0], strict=True))
+    assert shared / full[0].numel() >= 0.75  # e4m3 keeps 3 mantissa bits: near-ties may swap, most keys stay
+
+
+def test_fp8_quantisation_round_trips_within_e4m3_precision():
+    x = torch.randn(5, 32) * torch.tensor([1e-3, 1.0, 30.0, 500.0, 1e4])[:, None]
+    v, s = kix.quantize_fp8(x)
+    assert v.dtype == torch.float8_e4m3fn and s.shape == (5,)
+    rel = ((v.float() * s[:, None] - x).abs() / x.abs().amax(-1, keepdim=True)).max()
+    assert rel <= 2**-4  # 3 mantissa bits: half an ulp at the row maximum is 1/16
+
+
+def test_model_stable_topk_is_the_kernel_twin():
+    from model.attention import stable_topk
+
+    assert stable_topk is kix.stable_topk
+
+
+# ---- sparse MLA ------------------------------------------------------------------------------------------------
+def _slow_sparse_mla(q, kv, idx, qpos, scale, dv, slots):
+    """Independent twin: one softmax per (row, query, head) in float64 loops."""
+    b, t, h, _ = q.shape
+    out = torch.zeros(b, t, h, dv, dtype=torch.float64)
+    for bi in range(b):
+        for ti in range(t):
+            keys = [int(i) for i in idx[bi, ti] if 0 <= i <= qpos[bi, ti]]
+            if not keys:
+                continue
+            rows = kv[slots[bi], keys].double()
+            for hi in range(h):
+                p = torch.softmax(rows @ q[bi, ti, hi].double() * scale, 0)
+                out[bi, ti, hi] = p @ rows[:, :dv]
+    return out
+
+
+def _mla_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, t, h, dv, dr, s, kk = 2, 3, 5, 16, 16, 30, 20  # 5 heads: a partial head block
+    q = torch.randn(b, t, h, dv + dr, generator=g, requires_grad=True)
+    kv = torch.randn(3, s, dv + dr, generator=g, requires_grad=True)  # a pool of 3 slots
+    idx = torch.stack([torch.randperm(s, generator=g)[:kk] for _ in range(b * t)]).view(b, t, kk)
+    idx[0, 0, :4] = -1  # padding
+    qpos = torch.tensor([[12, 25, 29], [29, 4, 17]])
+    idx[1, 1] = torch.arange(10, 30)  # every selected key is in the future: no usable key → 0
+    return q, kv, idx, qpos, torch.tensor([2, 0])
+
+
+def test_sparse_mla_reference_matches_a_slow_twin():
+    q, kv, idx, qpos, slots = _mla_inputs()
+    got = kmla.sparse_mla_reference(q, kv, idx, qpos, 0.3, 16, slots)
+    want = _slow_sparse_mla(q.detach(), kv.detach(), idx, qpos, 0.3, 16, slots)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert got[1, 1].abs().max() == 0
+
+
+def test_sparse_mla_kernel_forward_and_backward_match_the_twin(triton_mode):
+    q, kv, idx, qpos, slots = _mla_inputs()
+    got = kernels.sparse_mla(q, kv, idx, qpos, 0.3, 16, slots)
+    want = kmla.sparse_mla_reference(q, kv, idx, qpos, 0.3, 16, slots)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    gout = torch.randn_like(got)
+    dq, dkv = torch.autograd.grad(got, (q, kv), gout)
+    rq, rkv = torch.autograd.grad(want, (q, kv), gout)
+    torch.testing.assert_close(dq, rq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dkv, rkv, atol=1e-5, rtol=1e-5)
+    assert dkv[1].abs().max() == 0  # slot 1 is in no row of the batch
+
+
+# ---- MoE -------------------------------------------------------------------------------------------------------
+def _moe_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, h, i, e, k = 37, 16, 24, 6, 2
+    x = torch.randn(n, h, generator=g, requires_grad=True)
+    gu = torch.randn(e, 2 * i, h, generator=g, requires_grad=True)
+    dn = torch.randn(e, h, i, generator=g, requires_grad=True)
+    experts = torch.tensor([0, 1, 2, 4, 5])  # expert 3 gets no token
+    idx = torch.stack([experts[torch.randperm(5, generator=g)[:k]] for _ in range(n)])
+    w = torch.rand(n, k, generator=g, requires_grad=True)
+    return x, idx, w, gu, dn
+
+
+def _slow_moe(x, idx, w, gu, dn):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            g, u = (gu[e] @ x[t]).chunk(2)
+            out[t] += w[t, j] * (dn[e] @ (F.silu(g) * u))
+    return out
+
+
+def test_moe_reference_matches_a_per_token_twin():
+    x, idx, w, gu, dn = _moe_inputs()
+    torch.testing.assert_close(kmoe.moe_experts_reference(x, idx, w, gu, dn), _slow_moe(x, idx, w, gu, dn),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_moe_grouped_gemm_forward_and_backward_match_the_twin(triton_mode):
+    x, idx, w, gu, dn = _moe_inputs()
+    got = kernels.moe_experts(x, idx, w, gu, dn)
+    want = kmoe.moe_experts_reference(x, idx, w, gu, dn)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    gout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (x, w, gu, dn), gout), torch.autograd.grad(want, (x, w, gu, dn), gout),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-5)
+
+
+def test_grouped_gemm_schedule_covers_every_row_once():
+    ends = torch.tensor([0, 70, 70, 75, 200], dtype=torch.int32)  # an empty first expert, a 5-row one
+    expert, row = kmoe._schedule(ends, 200)
+    real = expert < 5
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1].long()])
+    covered = torch.cat([torch.arange(int(r), min(int(r) + kmoe.BM, int(ends[e]))) for e, r in
+                         zip(expert[real], row[real], strict=True)])
+    assert torch.equal(covered.sort().values, torch.arange(200))
+    assert all(starts[e] <= r < ends[e] for e, r in zip(expert[real].tolist(), row[real].tolist(), strict=True))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_torch_grouped_mm_call_convention():
+    """The CUDA path calls torch._grouped_mm(x, wᵀ, offs=ends): check that convention where it runs (fp32 CPU)."""
+    x, w = torch.randn(10, 8), torch.randn(3, 6, 8)
+    ends = torch.tensor([3, 3, 10], dtype=torch.int32)
+    try:
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    except RuntimeError as e:  # a build without the CPU fallback
+        pytest.skip(f"torch._grouped_mm does not run on the CPU here: {e}")
+    torch.testing.assert_close(y, torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T]))
+
+
+def test_route_matches_the_model_router(cfg_factory):
+    from model.layers import Router
+
+    cfg = cfg_factory(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+    r = Router(cfg)
+    torch.nn.init.normal_(r.weight)
+    r.e_score_correction_bias.normal_()
+    x = torch.randn(11, cfg.hidden_size)
+    idx, w = r(x)
+    i2, w2 = kmoe.route(x @ r.weight.T, r.e_score_correction_bias, 3, 4, 2, "sigmoid", True, cfg.routed_scaling_factor)
+    assert torch.equal(idx, i2)
+    torch.testing.assert_close(w, w2)
+
+
+# ---- RMSNorm, chunked cross-entropy ---------------------------------------------------------------------------
+def test_rms_norm_kernel_forward_and_backward(triton_mode):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 48, generator=g, requires_grad=True)  # 48: a masked tail in a 64-wide tile
+    wt = (1 + torch.randn(48, generator=g) * 0.1).requires_grad_()
+    got = kernels.rms_norm(x, wt, 1e-6)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * wt  # hand-written, not the twin
+    torch.testing.assert_close(got, want)
+    gout = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (x, wt), gout), torch.autograd.grad(want, (x, wt), gout), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_cross_entropy_equals_the_full_logits_loss():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(50, 16, generator=g, requires_grad=True)
+    wt = torch.randn(40, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (50,), generator=g)
+    t[::7] = -100
+    got = knorm.chunked_cross_entropy(h, wt, t, chunk=8)
+    want = F.cross_entropy(h @ wt.T, t, ignore_index=-100)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (h, wt)), torch.autograd.grad(want, (h, wt)), strict=True):
+        torch.testing.assert_close(a, b)
