@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope
+from .layers import FP32Linear, RMSNorm, apply_rope
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -79,7 +80,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = FP32Linear(cfg.hidden_size, self.n_heads, bias=False)  # fp32, as the references keep it
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.qk_rope_head_dim
@@ -140,8 +141,8 @@ class MLA(nn.Module):
         q_pe = apply_rope(q[..., nope:], ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2), True)
         kv = self.kv_a_proj_with_mqa(x)
         new_kv = torch.cat([self.kv_a_layernorm(kv[..., :r]), apply_rope(kv[..., r:], ctx.cos, ctx.sin, True)], -1)
-        keys = self._keys(ctx, "kv", new_kv)  # [B, S, r + rope]
-        n_keys = keys.shape[1]
+        pool = self._write(ctx, "kv", new_kv)
+        n_keys = ctx.n_keys if ctx.cache is not None else t
 
         # ---- DSA selection ----
         sel = None
@@ -158,29 +159,44 @@ class MLA(nn.Module):
             sel = None
 
         if ctx.collect is not None and self.indexer_type != "none":
-            self._collect_attention(q_nope, q_pe, keys, ctx, sel)
+            self._collect_attention(q_nope, q_pe, self._gather(ctx, pool), ctx, sel)
 
         impl = ctx.impl
         if impl == "auto":
-            impl = "absorbed" if (ctx.cache is not None and t <= 8) else "expanded"
+            # with a cache, decode / verify steps and every chunk with a DSA selection read the latent rows in place
+            # (absorbed): a prefill chunk never re-expands the cached context. Training forwards with a selection
+            # take the sparse kernel where it is Triton (the FLOPs saving); the CPU keeps the masked dense path.
+            absorbed = ctx.cache is not None and (t <= 8 or sel is not None)
+            absorbed |= sel is not None and kernels.backend(x) == "triton"
+            impl = "absorbed" if absorbed else "expanded"
         if impl == "absorbed":
-            out = self._absorbed(q_nope, q_pe, keys, ctx, sel)
+            out = self._absorbed(q_nope, q_pe, pool, ctx, sel)
         else:
-            out = self._expanded(q_nope, q_pe, keys, ctx, sel)
+            out = self._expanded(q_nope, q_pe, self._gather(ctx, pool), ctx, sel)
         return self.o_proj(out.reshape(b, t, H * cfg.v_head_dim)), sel
 
     # ---- cache plumbing ----
-    def _keys(self, ctx: AttnContext, kind: str, new: torch.Tensor) -> torch.Tensor:
+    def _write(self, ctx: AttnContext, kind: str, new: torch.Tensor) -> torch.Tensor:
+        """Write this step's rows into the cache; return the pool [slots, max_len + 1, d] (or `new` without a
+        cache). Padding positions go to the scratch column `max_len`."""
         if ctx.cache is None:
             return new
         store = ctx.cache.tensor(kind, self.layer_idx)
-        m = ctx.write_mask
-        bidx = ctx.slots[:, None].expand_as(ctx.qpos)
-        store[bidx[m], ctx.qpos[m]] = new[m].to(store.dtype)
+        pos = torch.where(ctx.write_mask, ctx.qpos, ctx.cache.max_len)
+        store[ctx.slots[:, None].expand_as(pos), pos] = new.to(store.dtype)
+        return store
+
+    def _gather(self, ctx: AttnContext, pool: torch.Tensor) -> torch.Tensor:
+        """The batch's keys [B, n_keys, d]: a view for contiguous slots, else a copy."""
+        if ctx.cache is None:
+            return pool
         if ctx.slot_range is not None:
             s0, s1 = ctx.slot_range
-            return store[s0:s1, : ctx.n_keys]
-        return store[ctx.slots, : ctx.n_keys]
+            return pool[s0:s1, : ctx.n_keys]
+        return pool[ctx.slots, : ctx.n_keys]
+
+    def _keys(self, ctx: AttnContext, kind: str, new: torch.Tensor) -> torch.Tensor:
+        return self._gather(ctx, self._write(ctx, kind, new))
 
     def _allowed(self, ctx: AttnContext, t0: int, t1: int, n_keys: int) -> torch.Tensor:
         kpos = torch.arange(n_keys, device=ctx.qpos.device)
@@ -209,14 +225,7 @@ class MLA(nn.Module):
             if not (sparse and keys_len > self.cfg.index_topk):
                 return None
             ctx.indexer_calls.append(self.layer_idx)
-            k = min(self.cfg.index_topk, keys_len)
-            step = max(1, CHUNK_ELEMS // max(1, ix.n_heads * keys_len * x.shape[0]))
-            out = []
-            for t0 in range(0, t, step):
-                s = Indexer.scores(q[:, t0 : t0 + step], w[:, t0 : t0 + step], k_all)
-                s.masked_fill_(~self._allowed(ctx, t0, t0 + s.shape[1], keys_len), float("-inf"))
-                out.append(stable_topk(s, k))
-            return torch.cat(out, 1)
+            return kernels.indexer_topk(q, w, k_all, ctx.qpos, self.cfg.index_topk)
 
     # ---- attention paths ----
     def _mask(self, ctx: AttnContext, t0: int, t1: int, n_keys: int, sel: torch.Tensor | None) -> torch.Tensor:
@@ -251,29 +260,22 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # W_UK [H,nope,r], W_UV [H,v,r]
 
-    def _absorbed(self, q_nope, q_pe, keys, ctx: AttnContext, sel):
+    def _absorbed(self, q_nope, q_pe, pool, ctx: AttnContext, sel):
         cfg = self.cfg
         b, t, H, _ = q_nope.shape
         r = cfg.kv_lora_rank
         w_uk, w_uv = self._absorb_weights()
         q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)  # [B,T,H,r+rope]
-        if sel is None:
+        if sel is not None:  # the selected rows, read in place from the pool (no copy of the context)
+            slots = ctx.slots if ctx.cache is not None else None
+            o = kernels.sparse_mla(q, pool, sel, ctx.qpos, self.scale, r, slots)
+        else:
+            keys = self._gather(ctx, pool)
             s = keys.shape[1]
             m = self._allowed(ctx, 0, t, s)  # [B,T,S]
             m = m[:, :, None, :].expand(b, t, H, s).reshape(b, 1, t * H, s)
             o = sdpa(q.reshape(b, 1, t * H, -1), keys[:, None], keys[:, None, :, :r], self.scale, mask=m)
             o = o.view(b, t, H, r)
-        else:
-            kk = sel.shape[-1]
-            g = keys[torch.arange(b, device=keys.device)[:, None, None], sel]  # [B,T,k,r+rope]
-            valid = sel <= ctx.qpos[..., None]  # [B,T,k]
-            o = sdpa(
-                q.reshape(b * t, 1, H, -1),
-                g.reshape(b * t, 1, kk, -1),
-                g[..., :r].reshape(b * t, 1, kk, r),
-                self.scale,
-                mask=valid.reshape(b * t, 1, 1, kk),
-            ).view(b, t, H, r)
         return torch.einsum("bthr,hvr->bthv", o, w_uv)
 
     # ---- indexer-loss statistics ----

@@ -25,9 +25,11 @@ class KVCache:
         self.cfg, self.n_slots, self.max_len = cfg, n_slots, max_len
         types = cfg.layer_indexer_types() + ["full" if cfg.use_dsa else "none"] * cfg.num_nextn_predict_layers
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv = [torch.zeros(n_slots, max_len, row, dtype=dtype, device=device) for _ in types]
+        # one scratch column past max_len: right-padding tokens of a step write there, so a cache write is a
+        # plain index_put with no data-dependent shape (no host sync; capturable in a CUDA graph)
+        self.kv = [torch.zeros(n_slots, max_len + 1, row, dtype=dtype, device=device) for _ in types]
         self.index = [
-            torch.zeros(n_slots, max_len, cfg.index_head_dim, dtype=torch.float32, device=device)
+            torch.zeros(n_slots, max_len + 1, cfg.index_head_dim, dtype=torch.float32, device=device)
             if t == "full"
             else None
             for t in types

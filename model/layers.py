@@ -6,8 +6,8 @@ MoE (DeepSeek-V3 / GLM-5 gate):
   [group-limited] group score = sum of its top-2 choice scores; keep the best `topk_group` groups
   experts = top-k(choice); weights = s[experts] / Σ s[experts] × routed_scaling_factor
   y = Σ_i w_i · E_i(x) + shared(x)
-Dispatch sorts the (token, expert) pairs by expert and runs each expert once over its contiguous
-slice (a loop over experts, never over tokens), then scatters back with `index_add_`.
+Dispatch (kernels.moe_experts) sorts the (token, expert) pairs by expert and runs each expert once over
+its contiguous slice: a grouped GEMM on the GPU, a loop over experts (never over tokens) on the CPU.
 Aux-loss-free balancing: training forwards count tokens per expert; `update_bias(rate)` moves the
 bias of overloaded experts down and of underloaded experts up by `rate`.
 """
@@ -20,7 +20,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from .config import ModelConfig
+
+
+class KeepFP32(nn.Module):
+    """A module whose floating parameters and buffers stay float32 through `.to(dtype)` / `.half()` /
+    `.bfloat16()` (device moves still apply): the router and its bias, the rotary frequencies and the
+    indexer's head weights are fp32 in the reference implementations. In bf16 the rotary frequencies
+    alone put the angle 5.7 rad off at 32K positions."""
+
+    def _apply(self, fn, recurse=True):
+        keep = {n: t.detach().clone() for n, t in [*self._parameters.items(), *self._buffers.items()]
+                if t is not None and t.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for n, orig in keep.items():  # undo a dtype change from the saved fp32 values, keep the device move
+            p = self._parameters.get(n)
+            t = p if p is not None else self._buffers[n]
+            if t.dtype != torch.float32:
+                if p is not None:
+                    p.data = orig.to(t.device)
+                else:
+                    self._buffers[n] = orig.to(t.device)
+        return self
+
+
+class FP32Linear(KeepFP32, nn.Linear):
+    """nn.Linear kept in float32; callers feed it fp32 inputs."""
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +57,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 # ---- rotary ------------------------------------------------------------------------------------------
@@ -67,7 +91,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv.float(), float(att)
 
 
-class Rotary(nn.Module):
+class Rotary(KeepFP32):
     """cos/sin tables of shape [..., rope_dim/2] for arbitrary position ids."""
 
     def __init__(self, cfg: ModelConfig):
@@ -107,7 +131,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Router(nn.Module):
+class Router(KeepFP32):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -120,20 +144,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] → (expert ids [N, k], weights [N, k] in x's dtype)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias
-        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
-            g = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
-            group_scores = g.topk(2, dim=-1).values.sum(-1)
-            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
-        idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-        w = scores.gather(1, idx)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, (w * cfg.routed_scaling_factor).to(x.dtype)
+        idx, w = kernels.route(
+            F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, cfg.num_experts_per_tok,
+            cfg.n_group, cfg.topk_group, cfg.scoring_func, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        )
+        return idx, w.to(x.dtype)
 
 
 class Experts(nn.Module):
@@ -149,23 +164,7 @@ class Experts(nn.Module):
         return [self.gate_up_proj, self.down_proj]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token_of = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        xs = x.index_select(0, token_of)
-        outs = []
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            seg = xs[start : start + c]
-            g, u = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(g) * u, self.down_proj[e]))
-            start += c
-        ys = torch.cat(outs, 0) * w.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
+        return kernels.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):

@@ -19,8 +19,10 @@ Incremental decoding API (what the engine uses)::
   `lengths + n_new` positions, causally. Padded positions are neither written nor attended to.
 * After the call `cache.lengths[slots] += n_new`. `out.logits[b, n_new[b]-1]` is the next-token
   distribution of sequence b; logits at padded positions are meaningless.
-* `impl="auto"` picks the absorbed MLA path for steps of ≤ 8 new tokens (decode, speculative verify)
-  and the expanded path for longer chunks (chunked prefill); both read the same latent cache.
+* `impl="auto"` picks the absorbed MLA path for steps of ≤ 8 new tokens (decode, speculative verify) and
+  for prefill chunks with a DSA selection (the selected latent rows are read in place, nothing is
+  re-expanded), and the expanded path otherwise; both read the same latent cache. `impl` must be one of
+  "auto", "expanded", "absorbed".
 * DSA: with more keys than `index_topk`, each query attends only its top-k keys (deterministic ties);
   "shared" layers reuse their group leader's indices and never run an indexer.
 * `cache.reset(slots)` frees slots; `cache.truncate(slots, lengths)` rolls back (rejected drafts).
@@ -39,6 +41,8 @@ from .attention import MLA, AttnContext
 from .cache import KVCache
 from .config import ModelConfig
 from .layers import MLP, Experts, MoE, RMSNorm, Rotary, Router
+
+IMPLS = ("auto", "expanded", "absorbed")
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Transformer(nn.Module):
     # ---- context ----------------------------------------------------------------------------------
     def _context(self, b: int, t: int, device, dtype, cache: KVCache | None, slots, n_new, mtp: bool,
                  **kw) -> tuple[AttnContext, torch.Tensor | None, torch.Tensor | None]:
+        if kw.get("impl", "auto") not in IMPLS:
+            raise ValueError(f"impl: {kw['impl']!r} is not one of {', '.join(IMPLS)}")
         ar = torch.arange(t, device=device)
         if cache is None:
             qpos = ar.expand(b, t)

@@ -229,10 +229,21 @@ def cmd_envs_show(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import torch
+
     from rollout.server import serve
 
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: CUDA is not available on this machine (use --device cpu or auto)", file=sys.stderr)
+        return 2
+    if args.cuda_graphs and device != "cuda":
+        print(f"error: --cuda-graphs needs --device cuda (the device is {device})", file=sys.stderr)
+        return 2
     serve(args.checkpoint, host=args.host, port=args.port, n_slots=args.slots, max_len=args.max_len,
-          spec_drafts=args.spec_drafts)
+          spec_drafts=args.spec_drafts, device=device, dtype=args.dtype, cuda_graphs=args.cuda_graphs)
     return 0
 
 
@@ -290,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--slots", type=int, default=16, help="concurrent sequences (cache slots)")
     sv.add_argument("--max-len", type=int, default=2048, help="context length per slot")
     sv.add_argument("--spec-drafts", type=int, default=0, help="MTP draft tokens per verify (0: off)")
+    sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                    help="where weights, cache and sampling live (auto: cuda when available)")
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="weights dtype (default: the checkpoint's)")
+    sv.add_argument("--cuda-graphs", action="store_true", help="replay captured decode steps (CUDA, no --spec-drafts)")
     sv.set_defaults(fn=cmd_serve)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a re-launch under torchrun repeats

@@ -5,11 +5,19 @@ for requests that still have prompt tokens to process and one decode forward for
 batches through `model.run(..., cache=, slots=, n_new=)`), samples, and retires finished requests —
 so requests join and leave the running batch at every step.
 
+* Device: the cache, every per-step tensor and sampling live on the model's device (the cache's latent rows in the
+  model's dtype); one transfer per step brings the chosen token ids and their log-probs to the host. On CUDA,
+  `cuda_graphs=True` replays captured decode steps (`DecodeGraphs`); the CPU path never builds one.
 * Cache: `model.KVCache` slots (MLA latent + rotary key rows, indexer keys) plus, per slot, the list
   of token ids whose rows are cached. A request with a `session_id` returns to its session's slot and
   reuses the longest common prefix, so the turns of one episode do not recompute their prefix.
+  Sessions: a turn whose session holds an idle slot is admitted first; a newcomer without a free slot
+  evicts the session idle the longest, and only once it has been idle `session_grace` seconds (time for
+  the client's next turn to arrive) — before, under load every finished session was evicted by a
+  waiting newcomer before its next turn came, and prefix reuse fell to 0.
 * Sampling: temperature, top-p, top-k, min-p, per-request seed, stop strings and token ids, EOS,
-  min/max new tokens. Log-probs are log-softmax of the raw logits (see rollout/sampling.py).
+  min/max new tokens. Log-probs are log-softmax of the raw logits (see rollout/sampling.py). Seeded
+  requests reproduce on one device type (CPU and CUDA generators draw different streams).
 * Weights: `update_weights(path=… | state_dict=…)` runs between steps, bumps the policy version that is
   stamped on every generated token; in-flight requests continue (with `flush_cache` their context is
   re-prefilled under the new weights).
@@ -35,7 +43,7 @@ import torch
 from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta, token_logprobs
 from model.tokenizer import ByteTokenizer, Tokenizer
 
-from .sampling import SamplingParams, filtered_logits, sample_row
+from .sampling import SamplingParams, filtered_logits, sample, sample_row
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +102,86 @@ class EngineStats:
     spec_emitted: int = 0
     weight_updates: int = 0
     aborted: int = 0  # requests ended by an abort (a client's, a disconnect, abort_all)
+    cuda_graphs: str = "off"  # "on", or "fallback: <why>" when the decode forward could not be captured
+    graph_replays: int = 0
 
     @property
     def accept_length(self) -> float:
         return self.spec_emitted / self.spec_verifies if self.spec_verifies else 0.0
+
+    @property
+    def prefix_reuse(self) -> float:
+        """Share of prompt tokens whose cache rows came from the session's earlier turns."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class DecodeGraphs:
+    """CUDA graphs of the plain decode forward (one new token per row), one per batch bucket (1, 2, 4, … up to the
+    slot count), captured on first use over static input buffers and replayed with the batch padded up to its bucket.
+    Padding rows decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself
+    resets, so they touch no real slot and always attend to one key.
+
+    Capturing needs a forward with no host syncs (`.item()`, `.tolist()`, `nonzero()`, `bool(t)`, host-to-device
+    copies) and no Python branch or shape that depends on the cache's contents (a key count read from
+    `lengths.max()`, a contiguous-slots check): such a value would be frozen into the graph. A warm-up run under
+    `torch.cuda.set_sync_debug_mode("error")` checks the first; any failure turns graphs off for good, with a warning
+    and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
+
+    def __init__(self, model: Transformer, cache: KVCache, max_batch: int, stats: EngineStats):
+        self.model, self.cache, self.stats = model, cache, stats
+        self.pad = cache.n_slots - 1
+        self.buckets = [1 << i for i in range((max_batch - 1).bit_length() + 1)]
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None  # one memory pool shared by the buckets' graphs
+        stats.cuda_graphs = "on"
+
+    def run(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, 1, V] of one decode step of ids [B, 1] in `slots` [B]; None when graphs are off."""
+        if self.stats.cuda_graphs != "on":
+            return None
+        b = ids.shape[0]
+        size = next(x for x in self.buckets if x >= b)
+        if size not in self.graphs:
+            try:
+                self.graphs[size] = self._capture(size)
+            except Exception as e:  # noqa: BLE001 - not capturable (yet): decode eagerly, and say so
+                self.stats.cuda_graphs = f"fallback: {type(e).__name__}: {e}"[:300]
+                log.warning("CUDA graphs off, decoding eagerly: the decode forward could not be captured (%s: %s)",
+                            type(e).__name__, e)
+                return None
+        graph, s_ids, s_slots, s_logits = self.graphs[size]
+        s_ids[:b].copy_(ids)
+        s_slots[:b].copy_(slots)
+        s_slots[b:].fill_(self.pad)
+        graph.replay()
+        self.stats.graph_replays += 1
+        return s_logits[:b]
+
+    def _capture(self, size: int) -> tuple:
+        dev = self.cache.lengths.device
+        ids = torch.zeros(size, 1, dtype=torch.long, device=dev)
+        slots = torch.full((size,), self.pad, dtype=torch.long, device=dev)
+        n_new = torch.ones(size, dtype=torch.long, device=dev)
+
+        def step() -> torch.Tensor:
+            logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new).logits
+            self.cache.lengths[self.pad] = 0  # the padding rows' token is forgotten
+            return logits
+
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (lazy inits, allocator) off the capture, refusing host syncs
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = step()
+        return graph, ids, slots, logits
 
 
 class Engine:
@@ -113,6 +197,8 @@ class Engine:
         policy_version: int = 0,
         start: bool = True,
         name: str = "embedded",
+        cuda_graphs: bool = False,
+        session_grace: float = 0.25,
     ):
         self.model = model.eval()
         self.cfg = model.config
@@ -121,8 +207,16 @@ class Engine:
         if spec_drafts and not len(model.mtp_layers):
             raise EngineError("spec_drafts needs a model with an MTP layer")
         self.spec_drafts = spec_drafts
-        dt = model.embed_tokens.weight.dtype
-        self.cache = KVCache(self.cfg, n_slots, max_len, dtype=dt)
+        self.session_grace = session_grace
+        dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        self.device = dev
+        self.stats = EngineStats()
+        if cuda_graphs and (dev.type != "cuda" or spec_drafts):
+            log.warning("cuda_graphs needs a CUDA model and plain decoding (no spec_drafts): running eagerly")
+            cuda_graphs = False
+        # with graphs, one spare slot (never handed out) takes the rows that pad a batch up to its bucket
+        self.cache = KVCache(self.cfg, n_slots + int(cuda_graphs), max_len, dtype=dt, device=dev)
+        self.graphs = DecodeGraphs(model, self.cache, n_slots, self.stats) if cuda_graphs else None
         self.version = policy_version
         self.name = name
         self.waiting: list[GenRequest] = []
@@ -130,10 +224,10 @@ class Engine:
         self.free_slots = list(range(n_slots))
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> idle slot, LRU order
+        self._idle_at: dict[str, float] = {}  # session -> when its slot went idle
         self.busy_sessions: set[str] = set()
         hdim = self.cfg.hidden_size
-        self._hidden: list[torch.Tensor] = [torch.zeros(0, hdim, dtype=dt) for _ in range(n_slots)]
-        self.stats = EngineStats()
+        self._hidden: list[torch.Tensor] = [torch.zeros(0, hdim, dtype=dt, device=dev) for _ in range(n_slots)]
         self.paused = False
         self._cmds: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
@@ -162,7 +256,7 @@ class Engine:
                 f"context length {self.max_len}"
             )
         if req.params.sampling_seed is not None:
-            req.gen = torch.Generator().manual_seed(req.params.sampling_seed)
+            req.gen = torch.Generator(self.device).manual_seed(req.params.sampling_seed)
         if req.stream:
             req.chunks = queue.Queue()
         if is_scoring(req):  # scored whole on the engine thread, between steps: one weight version, exact bits
@@ -279,7 +373,7 @@ class Engine:
         of `token_logprobs`, the function the trainers use on their rows. On the same weights the rollout's
         recorded log-probs and the trainer's are then the same bits, where decoding through the KV cache
         differs in the last bits (~1e-6)."""
-        lp, _ = token_logprobs(self.model, torch.tensor([r.input_ids]))
+        lp, _ = token_logprobs(self.model, torch.tensor([r.input_ids], device=self.device))
         r.input_logprobs = [None, *lp[0, 1:].tolist()]
         r.scored_version = self.version
         self.stats.prompt_tokens += len(r.input_ids)
@@ -301,7 +395,7 @@ class Engine:
             self._drop_session(s)
         for r in self.running:  # recompute their context under the current weights
             r.cached = 0
-            self.cache.truncate(torch.tensor([r.slot]), torch.tensor([0]))
+            self.cache.reset(self._t([r.slot]))
             self.slot_tokens[r.slot] = []
 
     def _update(self, path, state_dict, version, flush_cache, abort_all) -> dict:
@@ -348,36 +442,46 @@ class Engine:
                     continue
             try:
                 self.step()
+                if self.waiting and not self.running:  # admission waits for an idle session's grace: no spin
+                    with self._cv:
+                        self._cv.wait(timeout=0.01)
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("engine step failed")
                 for r in list(self.running):
                     self._retire(r)
                     self._finish(r, {"type": "abort", "matched": None, "error": f"{type(e).__name__}: {e}"})
 
+    def _t(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
     def _drop_session(self, sid: str) -> None:
         slot = self.sessions.pop(sid, None)
+        self._idle_at.pop(sid, None)
         if slot is not None:
             self.slot_tokens[slot] = []
-            self.cache.reset([slot])
+            self.cache.reset(self._t([slot]))
             self.free_slots.append(slot)
 
     def _admit(self) -> None:
         with self._cv:
             pending = list(self.waiting)
+        # turns returning to their session's idle slot first (they take no slot from anyone), then FIFO
+        pending.sort(key=lambda r: r.session_id not in self.sessions)
+        now = time.perf_counter()
         admitted = []
         for r in pending:
             if r.session_id is not None and r.session_id in self.busy_sessions:
                 continue  # one request per session at a time keeps its prefix cache coherent
-            slot = None
             if r.session_id is not None and r.session_id in self.sessions:
                 slot = self.sessions.pop(r.session_id)
+                self._idle_at.pop(r.session_id)
             elif self.free_slots:
                 slot = self.free_slots.pop(0)
-            elif self.sessions:
-                self._drop_session(next(iter(self.sessions)))  # evict the least recently used session
+            elif self.sessions and now - self._idle_at[oldest := next(iter(self.sessions))] >= self.session_grace:
+                self._drop_session(oldest)  # the session idle the longest, its next turn not queued
                 slot = self.free_slots.pop(0)
-            if slot is None:
-                break
+            else:
+                break  # newcomers wait in order: for a slot, or for an idle session's grace to run out
             r.slot = slot
             common = 0
             old = self.slot_tokens[slot]
@@ -388,7 +492,7 @@ class Engine:
                 r.input_logprobs = [None] * len(r.input_ids)  # by position: a recompute overwrites, never appends
             while common < lim and old[common] == r.input_ids[common]:
                 common += 1
-            self.cache.truncate(torch.tensor([slot]), torch.tensor([common]))
+            self.cache.truncate(self._t([slot]), self._t([common]))
             self.slot_tokens[slot] = old[:common]
             self._hidden[slot] = self._hidden[slot][:common]
             r.cached = r.reused = common
@@ -413,16 +517,18 @@ class Engine:
         self.stats.steps += 1
         prefill = [r for r in self.running if len(r.context()) - r.cached > 1 or not r.output_ids]
         decode = [r for r in self.running if r not in prefill]
-        if prefill:
-            self._forward(prefill, chunked=True)
+        pending = self._forward(prefill, chunked=True) if prefill else []
         if decode:
             if self.spec_drafts:
                 self._speculate(decode)
             else:
-                self._forward(decode, chunked=False)
+                pending += self._forward(decode, chunked=False)
+        self._emit(pending)
 
     @torch.no_grad()
-    def _forward(self, reqs: list[GenRequest], chunked: bool) -> None:
+    def _forward(self, reqs: list[GenRequest], chunked: bool) -> list[tuple[GenRequest, torch.Tensor]]:
+        """One ragged forward; returns the requests whose context is now all cached, with their next-token logits
+        (sampled by `_emit`, all of a step's at once)."""
         budget = self.chunk_size
         rows, n_new = [], []
         for r in reqs:
@@ -437,49 +543,68 @@ class Engine:
                 break
         reqs = reqs[: len(rows)]
         width = max(n_new)
-        ids = torch.full((len(rows), width), 0, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-        slots = torch.tensor([r.slot for r in reqs])
-        out = self.model.run(ids, cache=self.cache, slots=slots, n_new=torch.tensor(n_new))
-        logp = None
+        ids = self._t([row + [0] * (width - len(row)) for row in rows])
+        slots = self._t([r.slot for r in reqs])
+        logits = self.graphs.run(ids, slots) if self.graphs is not None and not chunked and width == 1 else None
+        if logits is None:
+            out = self.model.run(ids, cache=self.cache, slots=slots, n_new=self._t(n_new))
+            logits = out.logits
+        self._input_logprobs(reqs, logits, n_new)
+        done = []
         for i, r in enumerate(reqs):
             n = n_new[i]
-            start = r.cached
-            if r.return_logprob and start < len(r.input_ids):
-                logp = out.logits[i, :n].float().log_softmax(-1)
-                self._input_logprobs(r, logp, start, n)
             self.slot_tokens[r.slot].extend(rows[i])
             if self.spec_drafts:
                 self._hidden[r.slot] = torch.cat([self._hidden[r.slot][: r.cached], out.hidden[i, :n]], 0)
             r.cached += n
             if r.cached == len(r.context()):
-                self._emit(r, out.logits[i, n - 1])
+                done.append((r, logits[i, n - 1]))
+        return done
 
-    def _input_logprobs(self, r: GenRequest, logp: torch.Tensor, start: int, n: int) -> None:
+    def _input_logprobs(self, reqs: list[GenRequest], logits: torch.Tensor, n_new: list[int]) -> None:
         """Log-prob of each prompt token given the tokens before it, stored at the token's position (the first prompt
-        token has none; tokens whose previous position came from a reused session prefix stay None)."""
-        ids = r.input_ids
-        if len(r.input_logprobs) != len(ids):
-            r.input_logprobs = [None] * len(ids)
-        for j in range(n):
-            p = start + j + 1  # the token predicted at position start + j
-            if p < len(ids):
-                r.input_logprobs[p] = float(logp[j, ids[p]])
+        token has none; tokens whose previous position came from a reused session prefix stay None). All of a
+        forward's in one gather and one transfer."""
+        at, rows, cols, toks = [], [], [], []
+        for i, r in enumerate(reqs):
+            if not r.return_logprob or r.cached >= len(r.input_ids):
+                continue
+            if len(r.input_logprobs) != len(r.input_ids):
+                r.input_logprobs = [None] * len(r.input_ids)
+            for j in range(n_new[i]):
+                p = r.cached + j + 1  # the token predicted at position cached + j
+                if p < len(r.input_ids):
+                    at.append((r, p))
+                    rows.append(i)
+                    cols.append(j)
+                    toks.append(r.input_ids[p])
+        if at:
+            lp = logits[self._t(rows), self._t(cols)].float().log_softmax(-1).gather(1, self._t(toks)[:, None])
+            for (r, p), v in zip(at, lp[:, 0].tolist()):
+                r.input_logprobs[p] = v
 
     # ---- token emission and stopping ---------------------------------------------------------------
-    def _emit(self, r: GenRequest, logits: torch.Tensor) -> None:
-        p = r.params
-        if p.max_new_tokens == 0:
-            self._retire(r)
-            self._finish(r, {"type": "length", "length": 0})
+    def _emit(self, pending: list[tuple[GenRequest, torch.Tensor]]) -> None:
+        """Sample the next token of every request in `pending` (request, next-token logits) on the device, as one
+        batch; the token ids and their log-probs cross to the host in one transfer."""
+        for r, _ in pending:
+            if r.params.max_new_tokens == 0:
+                self._retire(r)
+                self._finish(r, {"type": "length", "length": 0})
+        pending = [(r, lg) for r, lg in pending if r.params.max_new_tokens > 0]
+        if not pending:
             return
-        if len(r.output_ids) < p.min_new_tokens:
-            logits = logits.clone()
-            for t in self._stop_ids(r):
-                logits[t] = float("-inf")
-        tok = sample_row(logits, p, r.gen)
-        self._append(r, tok, float(logits.float().log_softmax(-1)[tok]))
+        reqs = [r for r, _ in pending]
+        x = torch.stack([lg for _, lg in pending]).float()
+        masked = [(i, t) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens
+                  for t in self._stop_ids(r)]
+        if masked:
+            x[self._t([i for i, _ in masked]), self._t([t for _, t in masked])] = float("-inf")
+        tok = sample(x, [r.params for r in reqs], [r.gen for r in reqs])
+        lp = x.log_softmax(-1).gather(1, tok[:, None])[:, 0]
+        toks, lps = torch.stack([tok.double(), lp.double()]).tolist()
+        for r, t, v in zip(reqs, toks, lps):
+            self._append(r, int(t), v)
 
     def _stop_ids(self, r: GenRequest) -> set[int]:
         s = set(r.params.stop_token_ids)
@@ -526,9 +651,10 @@ class Engine:
             self.busy_sessions.discard(r.session_id)
             self.sessions[r.session_id] = r.slot  # keep the prefix for the episode's next turn
             self.sessions.move_to_end(r.session_id)
+            self._idle_at[r.session_id] = time.perf_counter()
         else:
             self.slot_tokens[r.slot] = []
-            self.cache.reset([r.slot])
+            self.cache.reset(self._t([r.slot]))
             self.free_slots.append(r.slot)
         r.slot = -1
 
@@ -555,16 +681,17 @@ class Engine:
         if len(r.output_ids) < p.min_new_tokens and self._stop_ids(r):
             k = 0  # drafts could propose (and accept) a stop token too early: decode plainly, with it masked
         if k <= 0:
-            self._forward([r], chunked=False)
+            self._emit(self._forward([r], chunked=False))
             return
-        slot = torch.tensor([r.slot])
+        dev = self.device
+        slot = self._t([r.slot])
         ctx = r.context()
         n = len(ctx) - 1  # newest confirmed token c_n is not yet in the main cache
         hid = self._hidden[r.slot]
         m = min(int(self.cache.mtp_lengths[r.slot]), n - 1)
         self.cache.mtp_lengths[r.slot] = m
         # draft 1: MTP over positions m..n-1, pairing h_j with c_{j+1}
-        lg, g = self.model.mtp(hid[m:n].unsqueeze(0), torch.tensor([ctx[m + 1 : n + 1]]), 0, cache=self.cache, slots=slot)
+        lg, g = self.model.mtp(hid[m:n].unsqueeze(0), self._t([ctx[m + 1 : n + 1]]), 0, cache=self.cache, slots=slot)
         logits, g = lg[0, -1], g[0, -1]
         drafts, qdist = [], []
         for step in range(k):
@@ -576,10 +703,10 @@ class Engine:
             drafts.append(d)
             qdist.append(q)
             if step + 1 < k:  # chain: the MTP layer consumes its own previous hidden state
-                lg, gg = self.model.mtp(g.view(1, 1, -1), torch.tensor([[d]]), step + 1, cache=self.cache, slots=slot)
+                lg, gg = self.model.mtp(g.view(1, 1, -1), self._t([[d]]), step + 1, cache=self.cache, slots=slot)
                 logits, g = lg[0, 0], gg[0, 0]
         # verify [c_n, d_1..d_k] in one target forward
-        out = self.model.run(torch.tensor([[ctx[n]] + drafts]), cache=self.cache, slots=slot)
+        out = self.model.run(self._t([[ctx[n]] + drafts]), cache=self.cache, slots=slot)
         tl = out.logits[0].float()
         accepted, bonus = 0, None
         for i, d in enumerate(drafts):
@@ -590,7 +717,7 @@ class Engine:
                 bonus = int(tl[i].argmax())
                 break
             pt = filtered_logits(tl[i], p).softmax(-1)
-            if float(torch.rand((), generator=r.gen)) < min(1.0, float(pt[d] / qdist[i][d])):
+            if float(torch.rand((), generator=r.gen, device=dev)) < min(1.0, float(pt[d] / qdist[i][d])):
                 accepted += 1
                 continue
             resid = torch.clamp(pt - qdist[i], min=0)
@@ -599,16 +726,17 @@ class Engine:
         if bonus is None:
             bonus = sample_row(tl[k], p, r.gen)
         keep = n + 1 + accepted  # c_n and the accepted drafts stay in the main cache
-        self.cache.truncate(slot, torch.tensor([keep]))
+        self.cache.truncate(slot, self._t([keep]))
         self.cache.mtp_lengths[r.slot] = n  # chained-draft rows beyond n-1 used MTP hiddens: recompute later
         self.slot_tokens[r.slot] = self.slot_tokens[r.slot][:n] + [ctx[n]] + drafts[:accepted]
         self._hidden[r.slot] = torch.cat([hid[:n], out.hidden[0, : accepted + 1]], 0)
         r.cached = keep
-        logps = tl.log_softmax(-1)
+        emitted = drafts[:accepted] + [bonus]
+        logps = tl.log_softmax(-1)[torch.arange(len(emitted), device=dev), self._t(emitted)].tolist()
         self.stats.spec_verifies += 1
         r.spec_verify += 1
         r.spec_accepted += accepted
-        for i, tok in enumerate(drafts[:accepted] + [bonus]):
+        for tok, lp in zip(emitted, logps):
             self.stats.spec_emitted += 1
-            if self._append(r, tok, float(logps[i, tok])):
+            if self._append(r, tok, lp):
                 break

@@ -67,8 +67,39 @@ def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Token ids [B] drawn from a batch of logits [B, V] on its own device, row i with `params[i]` and the generator
+    `gens[i]` (on that device; None: the device's default). No host sync. A sampled row draws exactly what
+    `torch.multinomial(filtered_logits(row).softmax(-1), 1, generator=gen)` draws — the same race `argmax(p / q)`,
+    q ~ Exp(1), that multinomial runs for one sample, without its `.item()` checks — so seeded requests reproduce
+    whatever they are batched with; greedy rows take the argmax and leave their generator untouched."""
+    tok = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tok
+    x, ps = logits[rows].float(), [params[i] for i in rows]
+    dev, v = x.device, x.shape[-1]
+    x = x / torch.tensor([max(p.temperature, 1e-6) for p in ps], device=dev)[:, None]
+    if any(0 < p.top_k < v for p in ps):  # the k-th largest value of each row (the smallest for rows without top-k)
+        k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in ps], device=dev)
+        x = x.masked_fill(x < x.sort(-1, descending=True).values.gather(1, k[:, None] - 1), float("-inf"))
+    if any(p.top_p < 1.0 for p in ps):
+        sorted_x, order = x.sort(-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in ps], device=dev)
+        drop = probs.cumsum(-1) - probs > top_p[:, None]
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0 for p in ps):
+        probs = x.softmax(-1)
+        min_p = torch.tensor([p.min_p for p in ps], device=dev)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    probs = x.softmax(-1)
+    q = torch.empty_like(probs)
+    for j, i in enumerate(rows):  # each request's own random stream
+        q[j].exponential_(generator=gens[i])
+    tok[rows] = (probs / q).argmax(-1)
+    return tok
+
+
 def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    if p.greedy:
-        return int(logits.argmax())
-    probs = filtered_logits(logits, p).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(sample(logits[None], [p], [gen])[0])

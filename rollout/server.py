@@ -9,7 +9,7 @@ Requests are validated strictly: unknown fields, wrong types, negative limits an
 400 with the reason; a full queue gets 503; anything else that goes wrong inside a request gets 500 and
 the server goes on.
 
-    temper serve --checkpoint DIR --port 30000
+    temper serve --checkpoint DIR --port 30000 [--device cuda --dtype bfloat16 --cuda-graphs]
 """
 
 from __future__ import annotations
@@ -387,7 +387,9 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                 "context_length": engine.max_len, "max_running_requests": engine.n_slots,
                 "chunked_prefill_size": engine.chunk_size, "speculative_num_draft_tokens": engine.spec_drafts,
                 "weight_version": str(engine.version), "load": engine.load(),
-                "stats": {**engine.stats.__dict__, "accept_length": engine.stats.accept_length}}
+                "device": str(engine.device),
+                "stats": {**engine.stats.__dict__, "accept_length": engine.stats.accept_length,
+                          "prefix_reuse": engine.stats.prefix_reuse}}
 
     for path in ("/model_info", "/get_model_info"):
         app.get(path)(model_info)
@@ -524,14 +526,19 @@ def settled(text: str, stops: list[str]) -> str:
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 30000, n_slots: int = 16, max_len: int = 2048,
-          spec_drafts: int = 0, max_queue: int = 256) -> None:
+          spec_drafts: int = 0, max_queue: int = 256, device: str = "cpu", dtype: str | None = None,
+          cuda_graphs: bool = False) -> None:
+    """`device`: where the weights, the cache and sampling live; `dtype`: "float32" | "bfloat16" (None: the
+    checkpoint's)."""
+    import torch
     import uvicorn
 
     from model import load_checkpoint, read_checkpoint_meta
 
-    model = load_checkpoint(checkpoint)
+    model = load_checkpoint(checkpoint, device=device, dtype=getattr(torch, dtype) if dtype else None)
     engine = Engine(model, n_slots=n_slots, max_len=max_len, spec_drafts=spec_drafts, max_queue=max_queue,
-                    policy_version=int(read_checkpoint_meta(checkpoint).get("policy_version", 0)))
+                    policy_version=int(read_checkpoint_meta(checkpoint).get("policy_version", 0)),
+                    cuda_graphs=cuda_graphs)
     uvicorn.run(create_app(engine, model_path=checkpoint), host=host, port=port, log_level="warning")
 
 

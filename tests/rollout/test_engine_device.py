@@ -1,0 +1,254 @@
+"""The engine on the model's device (checked on the CPU), batched on-device sampling, CUDA-graph fallback, the serve
+flags, and session prefix reuse under load."""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.engine import DecodeGraphs, Engine, GenRequest
+from rollout.sampling import SamplingParams, filtered_logits, sample
+
+PROMPTS = [list(range(1, 14)), [5, 6, 7], list(range(30, 52)), [200, 201]]
+ENGINE_FILES = {str(Path(__file__).parents[2] / "rollout" / f) for f in ("engine.py", "sampling.py")}
+
+
+def _run(engine, reqs):
+    for r in reqs:
+        engine.submit(r)
+    while any(not r.future.done() for r in reqs):
+        engine.step()
+    return reqs
+
+
+def full_forward_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _mixed(i: int, n: int = 10) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=[0, 0.7, 1.0, 1.3][i % 4], top_k=[-1, 3, 20][i % 3],
+                          top_p=[1.0, 0.8][i % 2], min_p=[0.0, 0.05][(i // 2) % 2], min_new_tokens=i % 3,
+                          stop_token_ids=[i + 1], sampling_seed=100 + i)
+
+
+def _workload(eng, spec: bool = False) -> list:
+    """Seeded sampling, a session's second turn, input log-probs, a flush mid-prefill and a pure-scoring request."""
+    reqs = _run(eng, [GenRequest(p, _mixed(i), return_logprob=i == 2, session_id="s" if i == 0 else None)
+                      for i, p in enumerate(PROMPTS)])
+    t1 = reqs[0]
+    [t2] = _run(eng, [GenRequest(t1.input_ids + t1.output_ids + [3, 4], _mixed(5), session_id="s")])
+    long = GenRequest(PROMPTS[0] + PROMPTS[2], _mixed(6, 4), return_logprob=True, logprob_start_len=0)
+    eng.submit(long)
+    eng.step()
+    eng.flush_cache()
+    while not long.future.done():
+        eng.step()
+    score = eng.submit(GenRequest(PROMPTS[2], SamplingParams(max_new_tokens=0), return_logprob=True,
+                                  logprob_start_len=0)).future.result()
+    return [(r.output_ids, r.output_logprobs, r.input_logprobs) for r in [*reqs, t2, long, score]]
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_every_engine_tensor_is_made_on_the_models_device(micro_model, spec):
+    """With the default device set to `meta`, a tensor the engine created without naming the model's device would be a
+    meta tensor and the step would fail: the same workload runs unchanged, and the cache, the per-step inputs of the
+    forward and the seeded generators are on the model's device."""
+    want = _workload(Engine(micro_model, n_slots=3, max_len=96, chunk_size=6, start=False, spec_drafts=spec))
+    seen = []
+    with torch.device("meta"):
+        eng = Engine(micro_model, n_slots=3, max_len=96, chunk_size=6, start=False, spec_drafts=spec)
+        run = eng.model.run
+
+        def spy(ids, **kw):
+            seen.append([ids.device] + [v.device for v in kw.values() if isinstance(v, torch.Tensor)])
+            with torch.device("cpu"):  # the model's own code is not under test here
+                return run(ids, **kw)
+
+        eng.model.run = spy
+        try:
+            got = _workload(eng)
+            seeded = eng.submit(GenRequest(PROMPTS[1], _mixed(1, 2)))
+        finally:
+            del eng.model.run
+    dev = next(micro_model.parameters()).device
+    assert got == want
+    assert seen and all(d == dev for row in seen for d in row)
+    assert {t.device for t in [*eng.cache.kv, eng.cache.lengths, eng.cache.mtp_lengths]} == {dev}
+    assert seeded.gen.device == dev
+
+
+def test_a_bfloat16_model_gets_a_bfloat16_latent_cache(micro_model):
+    m = type(micro_model)(micro_model.config)
+    m.load_state_dict(micro_model.state_dict())
+    m = m.to(torch.bfloat16).eval()
+    eng = Engine(m, n_slots=2, max_len=64, start=False, spec_drafts=1)
+    assert all(t.dtype == torch.bfloat16 for t in eng.cache.kv) and eng._hidden[0].dtype == torch.bfloat16
+    [r] = _run(eng, [GenRequest(PROMPTS[0], _mixed(1, 6), return_logprob=True)])
+    assert len(r.output_ids) >= 1 and all(lp <= 0 for lp in r.output_logprobs)
+
+
+def test_batched_sampling_draws_what_the_row_sampler_drew():
+    """`sample` over a batch = `torch.multinomial` per row with the row's own generator (the engine's former sampler),
+    for mixed parameters, ties and bf16 logits, step after step; greedy rows leave their generator untouched."""
+    for s in range(40):
+        torch.manual_seed(s)
+        v, b = [6, 257, 1000][s % 3], 1 + s % 6
+        logits = (torch.randn(b, v) * (1 + s % 4)).to(torch.bfloat16 if s % 2 else torch.float32)
+        if s % 5 == 0:
+            logits[:, : v // 3] = logits[:, :1]
+        ps = [_mixed(s + i) for i in range(b)]
+        g_ref = [torch.Generator().manual_seed(p.sampling_seed) for p in ps]
+        g_new = [torch.Generator().manual_seed(p.sampling_seed) for p in ps]
+        for _ in range(3):
+            want = [int(logits[i].argmax()) if p.greedy else
+                    int(torch.multinomial(filtered_logits(logits[i], p).softmax(-1), 1, generator=g_ref[i]))
+                    for i, p in enumerate(ps)]
+            assert sample(logits, ps, g_new).tolist() == want
+        assert all(torch.equal(a.get_state(), c.get_state()) for a, c in zip(g_ref, g_new))
+
+
+def test_one_host_transfer_per_decode_step(micro_model, monkeypatch):
+    """Token ids and log-probs of the whole batch cross to the host at once: engine code reads tensors on the host once
+    per decode step, whatever the batch size (before: an int() and a float() per request)."""
+    reads = []
+
+    def counting(name):
+        orig = getattr(torch.Tensor, name)
+
+        def f(self, *a, **kw):
+            if sys._getframe(1).f_code.co_filename in ENGINE_FILES:
+                reads.append(name)
+            return orig(self, *a, **kw)
+        return f
+
+    for name in ["tolist", "item", "__int__", "__float__", "__bool__", "cpu", "numpy", "__index__"]:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    eng = Engine(micro_model, n_slots=4, max_len=96, start=False)
+    reqs = [GenRequest(p, _mixed(i, 8)) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        eng.submit(r)
+    eng.step()  # prefill (one chunk holds all four prompts): the first tokens
+    assert len(reads) == 1
+    for _ in range(3):
+        reads.clear()
+        eng.step()
+        assert reads == ["tolist"] and all(len(r.output_ids) > 1 for r in reqs if r.finish is None)
+
+
+def test_cuda_graphs_stay_off_the_cpu_and_fall_back_loudly(micro_model, caplog):
+    want = [r.output_ids for r in _run(Engine(micro_model, n_slots=3, max_len=96, start=False),
+                                       [GenRequest(p, _mixed(i)) for i, p in enumerate(PROMPTS)])]
+    eng = Engine(micro_model, n_slots=3, max_len=96, start=False, cuda_graphs=True)
+    assert eng.graphs is None and eng.cache.n_slots == 3 and eng.stats.cuda_graphs == "off"
+    assert [r.output_ids for r in _run(eng, [GenRequest(p, _mixed(i)) for i, p in enumerate(PROMPTS)])] == want
+    # a forward that cannot be captured (here: no CUDA at all) turns graphs off with a warning, never a failed step
+    eng = Engine(micro_model, n_slots=3, max_len=96, start=False)
+    eng.graphs = DecodeGraphs(eng.model, eng.cache, eng.n_slots, eng.stats)
+    assert eng.graphs.buckets == [1, 2, 4] and eng.stats.cuda_graphs == "on"
+    with caplog.at_level(logging.WARNING, logger="rollout.engine"):
+        got = [r.output_ids for r in _run(eng, [GenRequest(p, _mixed(i)) for i, p in enumerate(PROMPTS)])]
+    assert got == want and eng.stats.cuda_graphs.startswith("fallback: ") and eng.stats.graph_replays == 0
+    assert "CUDA graphs off" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_with_graphs_equals_eager(micro_model):
+    m = type(micro_model)(micro_model.config)
+    m.load_state_dict(micro_model.state_dict())
+    m = m.cuda().eval()
+    greedy = [GenRequest(p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    eager = Engine(m, n_slots=8, max_len=96, start=False)
+    assert eager.cache.kv[0].is_cuda and eager.cache.lengths.is_cuda
+    want = [r.output_ids for r in _run(eager, greedy)]
+    eng = Engine(m, n_slots=8, max_len=96, start=False, cuda_graphs=True)
+    got = [r.output_ids for r in _run(eng, [GenRequest(r.input_ids, r.params) for r in greedy])]
+    assert got == want
+    assert (eng.stats.cuda_graphs == "on" and eng.stats.graph_replays > 0) or eng.stats.cuda_graphs.startswith("fallback")
+
+
+# ---- temper serve --device / --dtype / --cuda-graphs ---------------------------------------------------------------
+def test_serve_device_flags(monkeypatch, capsys):
+    from pipelines.cli import main
+
+    calls = []
+    monkeypatch.setattr("rollout.server.serve", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--checkpoint", "ck", "--device", "cuda"]) == 2
+    assert "--device cuda" in capsys.readouterr().err and not calls
+    assert main(["serve", "--checkpoint", "ck", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs" in capsys.readouterr().err and not calls
+    assert main(["serve", "--checkpoint", "ck"]) == 0 and calls[-1]["device"] == "cpu" and calls[-1]["dtype"] is None
+    assert main(["serve", "--checkpoint", "ck", "--device", "auto", "--dtype", "bfloat16"]) == 0
+    assert calls[-1]["device"] == "cpu" and calls[-1]["dtype"] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["serve", "--checkpoint", "ck", "--device", "auto", "--cuda-graphs"]) == 0
+    assert calls[-1]["device"] == "cuda" and calls[-1]["cuda_graphs"] is True
+
+
+def test_serve_loads_the_checkpoint_on_the_device_in_the_dtype(micro_model, tmp_path, monkeypatch):
+    import uvicorn
+
+    from model import save_checkpoint
+    from rollout.server import serve
+
+    save_checkpoint(micro_model, tmp_path / "ck", policy_version=3)
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    serve(str(tmp_path / "ck"), n_slots=2, max_len=64, device="cpu", dtype="bfloat16")
+    eng = apps[0].state.engine
+    try:
+        assert eng.device == torch.device("cpu") and eng.version == 3
+        assert eng.model.embed_tokens.weight.dtype == torch.bfloat16 and eng.cache.kv[0].dtype == torch.bfloat16
+    finally:
+        eng.shutdown()
+
+
+# ---- session prefix reuse under load -------------------------------------------------------------------------------
+def _episodes(eng, n_sessions: int, turns: int, think: int = 0) -> list[GenRequest]:
+    """`n_sessions` agent episodes started at once; each next turn (the context so far + 3 observation tokens) is
+    submitted `think` scheduler steps after the previous turn finished (0: before the next step)."""
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    live = {s: eng.submit(GenRequest(PROMPTS[s % 4] + [s + 1], sp, session_id=f"ep{s}")) for s in range(n_sessions)}
+    left, due, done, k = dict.fromkeys(live, turns - 1), [], [], 0
+    while live or due:
+        eng.step()
+        k += 1
+        for s, r in list(live.items()):
+            if r.future.done():
+                done.append(live.pop(s))
+                if left[s]:
+                    left[s] -= 1
+                    due.append((k + think, s, r.input_ids + r.output_ids + [7, 8, 9]))
+        for d in [d for d in due if d[0] <= k]:
+            due.remove(d)
+            live[d[1]] = eng.submit(GenRequest(d[2], sp, session_id=f"ep{d[1]}"))
+    return done
+
+
+def test_session_reuse_holds_with_more_sessions_than_slots(micro_model):
+    """6 episodes of 5 turns on 2 slots, each next turn queued as soon as the last one ends. The old policy let a
+    waiting newcomer evict the session that had just finished — the one whose next turn was queued — and reuse fell
+    to 0.0; now a returning turn is admitted first and all but the first turn of each episode reuse their prefix."""
+    eng = Engine(micro_model, n_slots=2, max_len=160, start=False)
+    done = _episodes(eng, 6, 5)
+    assert eng.stats.prefix_reuse > 0.7  # the ceiling here is 0.784; the old policy: 0.0
+    assert sum(r.reused > 0 for r in done) == 6 * 4
+    for r in done[-3:]:
+        assert r.output_ids == full_forward_greedy(micro_model, r.input_ids, 4)
+
+
+def test_session_grace_keeps_the_slot_while_the_client_thinks(micro_model):
+    """A next turn arriving 3 steps after the last one ended (the environment's step): within `session_grace` the idle
+    session is not evicted by waiting newcomers; with no grace the prefix is lost every time (the old behaviour)."""
+    eng = Engine(micro_model, n_slots=2, max_len=160, start=False, session_grace=2.0)
+    _episodes(eng, 4, 5, think=3)
+    assert eng.stats.prefix_reuse > 0.7
+    eng = Engine(micro_model, n_slots=2, max_len=160, start=False, session_grace=0.0)
+    _episodes(eng, 4, 5, think=3)
+    assert eng.stats.prefix_reuse < 0.1
