@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean sandbox-deps docker-deps browser-deps ui
+.PHONY: run test lint bench clean gpu-wheels sandbox-deps docker-deps browser-deps ui
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -68,3 +68,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# The cp312 wheels the H200 machine lacks (pydantic and its dependencies), for bench/gpu_run.sh to carry there.
+gpu-wheels:
+	mkdir -p .gpu-wheels && $(BIN)/pip download -q --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-wheels \
+	  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions

@@ -160,8 +160,10 @@ if triton is not None:
         tl.store(dqb + DV + dr[None, :], (dqr * scale).to(dq_ptr.dtype.element_ty), mask=hm[:, None])
 
 
-def _blocks(h: int) -> tuple[int, int]:
-    return max(16, min(64, triton.next_power_of_2(h))), 32
+def _blocks(h: int, dv: int) -> tuple[int, int]:
+    """(heads, keys) per tile: the [heads, DV] fp32 accumulator stays within ~32K registers' worth per program."""
+    bh = max(16, min(64, triton.next_power_of_2(h), 8192 // dv))
+    return bh, 32
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -176,7 +178,7 @@ class _SparseMLA(torch.autograd.Function):
         rows = rows.to(torch.long).contiguous()
         o = torch.empty(b, t, h, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
-        bh, bk = _blocks(h)
+        bh, bk = _blocks(h, dv)
         grid = (b * t, triton.cdiv(h, bh))
         _fwd_kernel[grid](
             q, kv, idx, qpos, rows, o, lse, t, h, idx.shape[-1], scale,
@@ -196,7 +198,7 @@ class _SparseMLA(torch.autograd.Function):
         delta = (o.float() * do.float()).sum(-1).contiguous()  # [B,T,H]
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        bh, bk = _blocks(h)
+        bh, bk = _blocks(h, ctx.dv)
         _bwd_kernel[(b * t, triton.cdiv(h, bh))](
             q, kv, idx, qpos, rows, do, lse, delta, dq, dkv, t, h, idx.shape[-1], ctx.scale,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),

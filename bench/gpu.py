@@ -1,0 +1,466 @@
+"""The H200 bench: temper's model, kernels and engine on CUDA against transformers and the torch references.
+
+One script, ≤ 8 minutes on one H200 including warm-up. It prints ratio tables and writes every figure to
+`--out/gpu.json` as it goes (a run cut short keeps what it measured):
+
+1. model — forward and forward+backward tokens/s of temper (bf16, Triton kernels) vs transformers'
+   GlmMoeDsaForCausalLM on the same weights, MFU (2·N_active or 6·N_active FLOPs per token over 989
+   TFLOP/s), peak memory; on the issue's 524M-total config at B=4, T=4096 and on a GLM-5-proportioned
+   ~2B config (temper only: transformers' dense-masked DSA does not fit its T).
+2. kernels — each Triton kernel vs its torch reference: time, TFLOP/s or GB/s, share of the H200's peak
+   (989 dense bf16 TFLOP/s, 4.8 TB/s HBM); the FP8 indexer's top-k agreement with the fp32 selection.
+3. decode — the engine's greedy decode tokens/s at batch 1, 16, 64 vs transformers `generate`.
+4. parity — a tiny model trained for a few hundred SFT steps on the CPU in fp32, then its logits on a
+   fixed input: bf16 on the GPU (Triton kernels) and fp32 on the GPU vs fp32 on the CPU.
+
+`--smoke` runs every section at toy shapes on whatever device there is (the CPU here: references only,
+or the Triton kernels under TRITON_INTERPRET=1 with TEMPER_KERNELS=triton) so the script stays working
+without a GPU. Run on the H200 (see README, "GPU"):
+
+    PYTHONPATH=<pydantic wheels dir>:. python bench/gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+
+import kernels  # noqa: E402
+from kernels import indexer as kix  # noqa: E402
+from kernels import mla as kmla  # noqa: E402
+from kernels import moe as kmoe  # noqa: E402
+from kernels import norm as knorm  # noqa: E402
+
+PEAK_TFLOPS = 989.0  # H200 dense bf16
+PEAK_GBS = 4800.0  # H200 HBM3e
+RESULTS: dict = {}
+OUT: Path | None = None
+
+
+def record(section: str, key: str, value) -> None:
+    RESULTS.setdefault(section, {})[key] = value
+    if OUT is not None:
+        (OUT / "gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(f"{x:,.3g}" if isinstance(x, float) else str(x) for x in r) + " |")
+    sys.stdout.flush()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench(fn, dev, *args, repeat: int = 5, warmup: int = 2) -> float:
+    """Median seconds of fn(*args) (synchronised)."""
+    for _ in range(warmup):
+        fn(*args)
+    sync(dev)
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn(*args)
+        sync(dev)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str):
+    old = os.environ.get("TEMPER_KERNELS")
+    os.environ["TEMPER_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TEMPER_KERNELS", None)
+        else:
+            os.environ["TEMPER_KERNELS"] = old
+
+
+def peak_reset(dev):
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_gib(dev) -> float:
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+
+
+# ---- configs -------------------------------------------------------------------------------------------------
+def hf_config(size: str, smoke: bool):
+    from transformers import GlmMoeDsaConfig
+
+    if smoke:
+        base = dict(vocab_size=272, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
+                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=16, index_head_dim=16,
+                    index_n_heads=2, indexer_types=["full", "shared", "full", "shared"])
+    elif size == "524M":  # the issue's config: 8 layers, hidden 1024, 16 heads, q/kv 512/256, 32 experts top-4
+        base = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
+                    num_hidden_layers=8, num_attention_heads=16, n_routed_experts=32, num_experts_per_tok=4,
+                    kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                    index_topk=512, index_head_dim=128, index_n_heads=16,
+                    indexer_types=["full", "shared", "shared", "shared"] * 2)
+    else:  # ~2B total, GLM-5-proportioned (MLA 576/512, 64 experts top-8, 1 shared, IndexShare every 4)
+        base = dict(vocab_size=65536, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=512,
+                    num_hidden_layers=8, num_attention_heads=32, n_routed_experts=64, num_experts_per_tok=8,
+                    kv_lora_rank=512, q_lora_rank=1024, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+                    index_topk=2048, index_head_dim=128, index_n_heads=32, n_group=8, topk_group=4,
+                    indexer_types=["full", "shared", "shared", "shared"] * 2)
+    return GlmMoeDsaConfig(num_key_value_heads=base["num_attention_heads"], first_k_dense_replace=1,
+                           routed_scaling_factor=2.5, max_position_embeddings=8192, **base)
+
+
+def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True):
+    """(transformers model or None, temper model) with the same weights, on dev in dtype."""
+    import transformers
+    from transformers import GlmMoeDsaForCausalLM
+
+    from model import load_checkpoint
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    hf = GlmMoeDsaForCausalLM(hf_config(size, smoke)).eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_checkpoint(d)
+    ours = ours.to(dev).to(dtype)  # router, bias, rotary and indexer weights stay fp32
+    if not with_hf:
+        del hf
+        return None, ours
+    return hf.to(dev).to(dtype), ours
+
+
+def active_params(model) -> int:
+    return model.num_parameters(active=True, mtp=False)
+
+
+def _logits(o) -> torch.Tensor:
+    return o if torch.is_tensor(o) else o.logits
+
+
+def _fwd(m, ids) -> None:
+    with torch.no_grad():
+        m(ids)
+
+
+def _fwd_bwd(m, ids) -> None:
+    out = _logits(m(ids))
+    F.cross_entropy(out[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    m.zero_grad(set_to_none=True)
+
+
+# ---- 1. model ------------------------------------------------------------------------------------------------
+def section_model(dev, dtype, smoke: bool) -> None:
+    sizes = ["smoke"] if smoke else ["524M", "2B"]
+    b, t = (2, 64) if smoke else (4, 4096)
+    rows = []
+    for size in sizes:
+        hf, ours = build_pair(size, dev, dtype, smoke, with_hf=(size != "2B"))
+        n_act, n_tot = active_params(ours), ours.num_parameters(mtp=False)
+        ids = torch.randint(0, ours.config.vocab_size, (b, t), device=dev, generator=torch.Generator(dev).manual_seed(1))
+        n = b * t
+        res = {"total_params": n_tot, "active_params": n_act}
+
+        peak_reset(dev)
+        res["temper_fwd_s"] = bench(_fwd, dev, ours, ids, repeat=3, warmup=1)
+        peak_reset(dev)
+        res["temper_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
+        res["temper_fwdbwd_peak_gib"] = peak_gib(dev)
+        if hf is not None:
+            with torch.no_grad():
+                lo, lh = _logits(ours(ids[:1, :256])).float(), _logits(hf(ids[:1, :256])).float()
+            res["max_abs_logit_diff_vs_hf"] = (lo - lh).abs().max().item()
+            peak_reset(dev)
+            res["hf_fwd_s"] = bench(_fwd, dev, hf, ids, repeat=3, warmup=1)
+            peak_reset(dev)
+            res["hf_fwdbwd_s"] = bench(_fwd_bwd, dev, hf, ids, repeat=3, warmup=1)
+            res["hf_fwdbwd_peak_gib"] = peak_gib(dev)
+        for k in ("fwd", "fwdbwd"):
+            flops = (2 if k == "fwd" else 6) * n_act * n
+            tok = n / res[f"temper_{k}_s"]
+            res[f"temper_{k}_tok_s"] = tok
+            res[f"temper_{k}_mfu"] = flops / res[f"temper_{k}_s"] / (PEAK_TFLOPS * 1e12)
+            hf_tok = n / res[f"hf_{k}_s"] if f"hf_{k}_s" in res else float("nan")
+            rows.append([size, k, f"{hf_tok:,.0f}", f"{tok:,.0f}", tok / hf_tok if hf_tok == hf_tok else "—",
+                         f"{100 * res[f'temper_{k}_mfu']:.1f}%"])
+        record("model", size, res)
+        hf = ours = None
+        peak_reset(dev)
+    table(f"model tokens/s, B={b}, T={t}, {dtype}", ["config", "pass", "transformers", "temper", "ratio", "temper MFU"],
+          rows)
+
+
+# ---- 2. kernels ----------------------------------------------------------------------------------------------
+def section_kernels(dev, dtype, smoke: bool) -> None:
+    g = torch.Generator(dev).manual_seed(0)
+    rows = []
+
+    def both(name, ref_fn, tri_fn, flops=None, nbytes=None, check=None):
+        try:
+            with kernel_mode("reference"):
+                t_ref = bench(ref_fn, dev)
+            with kernel_mode("triton"):
+                t_tri = bench(tri_fn, dev)
+            rate = (f"{flops / t_tri / 1e12:,.1f} TFLOP/s ({100 * flops / t_tri / 1e12 / PEAK_TFLOPS:.0f}%)" if flops
+                    else f"{nbytes / t_tri / 1e9:,.0f} GB/s ({100 * nbytes / t_tri / 1e9 / PEAK_GBS:.0f}%)")
+            extra = check() if check else ""
+        except Exception as e:  # one kernel's failure (compile, resources) must not lose the others' figures
+            rows.append([name, "—", "—", "—", "—", f"{type(e).__name__}: {str(e)[:120]}"])
+            record("kernels", name, {"error": f"{type(e).__name__}: {e}"})
+            return
+        rows.append([name, f"{1e3 * t_ref:.3f}", f"{1e3 * t_tri:.3f}", t_ref / t_tri, rate, extra])
+        record("kernels", name, {"ref_ms": 1e3 * t_ref, "triton_ms": 1e3 * t_tri, "rate": rate, "check": extra})
+
+    # lightning indexer + top-k (GLM-5: 32 heads × 128, top-2048)
+    t, s, hi, d, topk = (8, 64, 2, 16, 16) if smoke else (2048, 8192, 32, 128, 2048)
+    q = torch.randn(1, t, hi, d, device=dev, generator=g)
+    w = torch.randn(1, t, hi, device=dev, generator=g)
+    k = torch.randn(1, s, d, device=dev, generator=g)
+    qpos = (torch.arange(t, device=dev) + (s - t))[None]
+    fl = 2 * t * s * hi * d
+
+    def agree(fp8):
+        with kernel_mode("triton"):
+            a = kernels.indexer_topk(q, w, k, qpos, topk, fp8=fp8)
+        with kernel_mode("reference"):
+            r = kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=False)
+        same = (a.sort(-1).values == r.sort(-1).values).all().item() if not fp8 else None
+        if fp8:
+            hits = torch.zeros((), device=dev)
+            for i in range(0, t, 256):  # share of the fp32 selection kept, in row blocks
+                aa, rr = a[0, i:i + 256], r[0, i:i + 256]
+                hits += (torch.isin(aa, rr) if aa.shape[0] == 1 else
+                         (aa[:, :, None] == rr[:, None, :]).any(-1)).sum()
+            return f"agreement with fp32 top-k {hits.item() / r.numel():.4f}"
+        return f"identical set: {same}"
+
+    both("indexer top-k fp32", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk),
+         lambda: kernels.indexer_topk(q, w, k, qpos, topk), flops=fl, check=lambda: agree(False))
+    both("indexer top-k fp8", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=True),
+         lambda: kernels.indexer_topk(q, w, k, qpos, topk, fp8=True), flops=fl, check=lambda: agree(True))
+
+    # sparse MLA (FlashMLA's shapes: 64 heads, d 576/512, top-2048)
+    t, h, dv, dr, kk, s = (8, 4, 32, 16, 16, 64) if smoke else (4096, 64, 512, 64, 2048, 8192)
+    qm = (torch.randn(1, t, h, dv + dr, device=dev, generator=g) * 0.1).to(dtype).requires_grad_()
+    kv = (torch.randn(1, s, dv + dr, device=dev, generator=g) * 0.1).to(dtype).requires_grad_()
+    qp = (torch.arange(t, device=dev) + (s - t))[None]
+    idx = torch.sort(torch.rand(1, t, s, device=dev, generator=g).masked_fill(
+        torch.arange(s, device=dev) > qp[..., None], -1).topk(kk, -1).indices, -1).values
+    scale = (dv + dr) ** -0.5
+    fl_f = 2 * t * h * kk * (dv + dr + dv)
+    with torch.no_grad():
+        o_r = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv)
+        try:
+            with kernel_mode("triton"):
+                o_t = kernels.sparse_mla(qm, kv, idx, qp, scale, dv)
+            err = (o_t.float() - o_r.float()).abs().max().item()
+        except Exception as e:
+            o_t, err = o_r, float("nan")
+            print(f"sparse MLA kernel failed: {type(e).__name__}: {e}", flush=True)
+    with torch.no_grad():
+        both("sparse MLA forward", lambda: kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv),
+             lambda: kernels.sparse_mla(qm, kv, idx, qp, scale, dv), flops=fl_f, check=lambda: f"max |Δ| {err:.1e}")
+    go = torch.randn_like(o_t)
+
+    def fb(ref: bool):
+        o = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv) if ref else kernels.sparse_mla(qm, kv, idx, qp,
+                                                                                                  scale, dv)
+        torch.autograd.grad(o, (qm, kv), go)
+
+    both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5)
+
+    # MoE grouped GEMM (the 524M config's expert shapes, 16K tokens)
+    n, hd, inter, e, topk_e = (64, 32, 16, 4, 2) if smoke else (16384, 1024, 704, 32, 4)
+    x = torch.randn(n, hd, device=dev, generator=g).to(dtype)
+    gu = (torch.randn(e, 2 * inter, hd, device=dev, generator=g) * hd**-0.5).to(dtype)
+    dn = (torch.randn(e, hd, inter, device=dev, generator=g) * inter**-0.5).to(dtype)
+    eidx = torch.rand(n, e, device=dev, generator=g).topk(topk_e, -1).indices
+    ew = torch.rand(n, topk_e, device=dev, generator=g).to(dtype)
+    fl_m = 2 * n * topk_e * 3 * hd * inter
+    with torch.no_grad():
+        with kernel_mode("triton"):
+            y_t = kernels.moe_experts(x, eidx, ew, gu, dn)
+        y_r = kmoe.moe_experts_reference(x, eidx, ew, gu, dn)
+        rel = ((y_t.float() - y_r.float()).norm() / y_r.float().norm()).item()
+        both("MoE experts (grouped GEMM)", lambda: kmoe.moe_experts_reference(x, eidx, ew, gu, dn),
+             lambda: kernels.moe_experts(x, eidx, ew, gu, dn), flops=fl_m, check=lambda: f"rel. error {rel:.1e}")
+
+    # RMSNorm
+    n, d = (64, 48) if smoke else (32768, 2048)
+    xn = torch.randn(n, d, device=dev, generator=g).to(dtype)
+    wn = torch.ones(d, device=dev, dtype=dtype)
+    with torch.no_grad():
+        both("RMSNorm forward", lambda: knorm.rms_norm_reference(xn, wn, 1e-6), lambda: kernels.rms_norm(xn, wn, 1e-6),
+             nbytes=2 * xn.numel() * xn.element_size())
+    table("kernels vs torch references", ["kernel", "reference ms", "triton ms", "speed-up", "rate (% of H200 peak)",
+                                          "check"], rows)
+
+    # chunked cross-entropy: peak memory of the loss on a 150K vocabulary
+    n, hdim, vocab = (64, 32, 300) if smoke else (16384, 2048, 151552)
+    hid = torch.randn(n, hdim, device=dev, generator=g).to(dtype).requires_grad_()
+    wv = (torch.randn(vocab, hdim, device=dev, generator=g) * 0.02).to(dtype).requires_grad_()
+    tg = torch.randint(0, vocab, (n,), device=dev, generator=g)
+    mem = {}
+    for name, fn in (("full logits", lambda: F.cross_entropy(F.linear(hid, wv).float(), tg)),
+                     ("chunked", lambda: knorm.chunked_cross_entropy(hid, wv, tg))):
+        peak_reset(dev)
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        fn().backward()
+        mem[name] = (peak_gib(dev) - base / 2**30) if dev.type == "cuda" else float("nan")
+        hid.grad = wv.grad = None
+    record("kernels", "cross_entropy_peak_gib", mem)
+    table(f"cross-entropy peak memory above inputs, {n} rows × {vocab} vocab", ["path", "GiB"],
+          [[k, v] for k, v in mem.items()])
+
+
+# ---- 3. decode -----------------------------------------------------------------------------------------------
+def section_decode(dev, dtype, smoke: bool) -> None:
+    from rollout.engine import Engine, GenRequest
+    from rollout.sampling import SamplingParams
+
+    hf, ours = build_pair("524M" if not smoke else "smoke", dev, dtype, smoke)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    prompt, new = (16, 8) if smoke else (64, 128)
+    batches = [1, 4] if smoke else [1, 16, 64]
+    rows = []
+    for b in batches:
+        prompts = torch.randint(1, 200, (b, prompt), generator=torch.Generator().manual_seed(b))
+        pd = prompts.to(dev)
+        with torch.no_grad():
+            hf.generate(pd, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            sync(dev)
+            t0 = time.perf_counter()
+            out = hf.generate(pd, attention_mask=torch.ones_like(pd), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False)
+            sync(dev)
+            t_hf = time.perf_counter() - t0
+        res = {"hf_tok_s": b * new / t_hf}
+        for graphs in ([False, True] if dev.type == "cuda" else [False]):
+            eng = Engine(ours, n_slots=b, max_len=prompt + new + 8, start=False, chunk_size=prompt * b,
+                         cuda_graphs=graphs)
+            sp = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+            warm = [eng.submit(GenRequest(p.tolist(), sp.model_copy(update={"max_new_tokens": 8}))) for p in prompts]
+            while not all(r.future.done() for r in warm):
+                eng.step()
+            sync(dev)
+            t0 = time.perf_counter()
+            reqs = [eng.submit(GenRequest(p.tolist(), sp.model_copy())) for p in prompts]
+            while not all(r.future.done() for r in reqs):
+                eng.step()
+            sync(dev)
+            t_e = time.perf_counter() - t0
+            same = sum(r.output_ids == out[i, prompt:].tolist() for i, r in enumerate(reqs))
+            key = "graphs" if graphs else "eager"
+            res[f"temper_{key}_tok_s"] = b * new / t_e
+            res[f"temper_{key}_same_as_hf"] = f"{same}/{b}"
+            res[f"cuda_graphs_status_{key}"] = str(getattr(eng.stats, "cuda_graphs", "off"))
+            rows.append([b, key, f"{b * new / t_hf:,.0f}", f"{b * new / t_e:,.0f}", t_hf / t_e, f"{same}/{b}",
+                         res[f"cuda_graphs_status_{key}"]])
+        record("decode", f"batch{b}", res)
+    table(f"greedy decode, prompt {prompt}, {new} new tokens, {dtype}",
+          ["batch", "engine", "transformers tok/s", "temper tok/s", "ratio", "same tokens as HF", "cuda graphs"], rows)
+
+
+# ---- 4. parity -----------------------------------------------------------------------------------------------
+def section_parity(dev, smoke: bool) -> None:
+    """Train a tiny model briefly on the CPU (fp32), then compare its logits: GPU bf16 / GPU fp32 vs CPU fp32."""
+    import copy
+
+    import yaml
+
+    from model import ModelConfig, Transformer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = ModelConfig(**yaml.safe_load((root / "configs/presets/tiny.yaml").read_text())["model"])
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    steps = 20 if smoke else 200
+    for _ in range(steps):  # a copy task: the second half repeats the first
+        half = torch.randint(1, 200, (8, 48), generator=g)
+        ids = torch.cat([half, half], 1)
+        loss = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    half = torch.randint(1, 200, (4, 48), generator=torch.Generator().manual_seed(99))
+    ids = torch.cat([half, half], 1)  # T = 96 > index_topk 64: the sparse paths run
+    with torch.no_grad(), kernel_mode("reference"):
+        ref = model(ids).float()
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        m = copy.deepcopy(model).to(dev).to(dtype)
+        with torch.no_grad():
+            out = m(ids.to(dev)).float().cpu()
+        err = (out - ref).abs().max().item()
+        top1 = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        top = ref.argmax(-1, keepdim=True)
+        lp, lr = F.log_softmax(out, -1).gather(-1, top), F.log_softmax(ref, -1).gather(-1, top)
+        dlp = (lp - lr).abs().max().item()
+        rows.append([f"{dev.type} {str(dtype).removeprefix('torch.')}", err, top1, dlp])
+        record("parity", str(dtype), {"max_abs_logit": err, "top1_agreement": top1, "max_abs_logprob_top1": dlp,
+                                      "train_loss": loss.item(), "steps": steps})
+    table(f"logits vs fp32 CPU after {steps} SFT steps (loss {loss.item():.3f}), tiny, T=96",
+          ["run", "max |Δlogit|", "top-1 agreement", "max |Δ log p(top-1)|"], rows)
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy shapes on any device (checks the script)")
+    ap.add_argument("--sections", nargs="+", default=["kernels", "model", "decode", "parity"],
+                    choices=["kernels", "model", "decode", "parity"])
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    if args.out:
+        OUT = Path(args.out)
+        OUT.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" and not args.smoke:
+        sys.exit("bench/gpu.py needs a CUDA device (use --smoke to check it on the CPU)")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    record("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    record("env", "torch", torch.__version__)
+    for name in args.sections:
+        t0 = time.perf_counter()
+        try:
+            {"kernels": lambda: section_kernels(dev, dtype, args.smoke),
+             "model": lambda: section_model(dev, dtype, args.smoke),
+             "decode": lambda: section_decode(dev, dtype, args.smoke),
+             "parity": lambda: section_parity(dev, args.smoke)}[name]()
+        except Exception as e:  # one section's failure must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            record(name, "error", f"{type(e).__name__}: {e}")
+        record("seconds", name, round(time.perf_counter() - t0, 1))
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
