@@ -115,7 +115,7 @@ def hf_config(size: str, smoke: bool):
         base = dict(vocab_size=272, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
                     num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
                     qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=16, index_head_dim=16,
-                    index_n_heads=2, indexer_types=["full", "shared", "full", "shared"])
+                    index_n_heads=16, indexer_types=["full", "shared", "full", "shared"])
     elif size == "524M":  # the config: 8 layers, hidden 1024, 16 heads, q/kv 512/256, 32 experts top-4
         base = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
                     num_hidden_layers=8, num_attention_heads=16, n_routed_experts=32, num_experts_per_tok=4,
