@@ -252,3 +252,33 @@ def test_session_grace_keeps_the_slot_while_the_client_thinks(micro_model):
     eng = Engine(micro_model, n_slots=2, max_len=160, start=False, session_grace=0.0)
     _episodes(eng, 4, 5, think=3)
     assert eng.stats.prefix_reuse < 0.1
+
+
+def test_speculative_verify_is_one_forward_for_the_whole_batch(mtp_model, monkeypatch):
+    """Several requests of different prompt and output lengths decode concurrently with spec_drafts=3 (rows near
+    max_new_tokens or max_len get fewer drafts, or none): the output is the plain engine's greedy output, and every
+    decode step runs ONE main-model forward for the whole batch (drafts verified together, ragged), where the former
+    per-request speculation ran one per request."""
+    model, prompts = mtp_model
+    prompts = [prompts[i % len(prompts)][: 6 + 5 * i] for i in range(5)]
+    news = [7, 30, 12, 25, 19]
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in news]
+    max_len = max(len(p) + n for p, n in zip(prompts, news))  # the longest row runs into max_len
+    want = [r.output_ids for r in _run(Engine(model, n_slots=5, max_len=max_len, start=False),
+                                       [GenRequest(p, sp) for p, sp in zip(prompts, greedy)])]
+    eng = Engine(model, n_slots=5, max_len=max_len, start=False, spec_drafts=3)
+    calls = []
+    run = model.run
+    monkeypatch.setattr(model, "run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    reqs = [eng.submit(GenRequest(p, sp)) for p, sp in zip(prompts, greedy)]
+    eng.step()  # prefill: every prompt in one chunk, the first tokens
+    assert len(calls) == 1 and all(len(r.output_ids) == 1 for r in reqs)
+    per_step, batch = [], []
+    while any(not r.future.done() for r in reqs):
+        calls.clear()
+        batch.append(len(eng.running))
+        eng.step()
+        per_step.append(len(calls))
+    assert [r.output_ids for r in reqs] == want
+    assert max(batch) == 5 and per_step == [1] * len(per_step)  # the per-request code: one per running request
+    assert eng.stats.accept_length > 1.5  # drafts really were accepted
