@@ -66,33 +66,47 @@ except Exception:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
+    def _query(q_ptr, T, H, sq_b, sq_t, sq_h, DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr):
+        """This program's (row, token, head ids, head mask) and its absorbed query, split [DV | DR]."""
+        bt = tl.program_id(0)
+        b, t = bt // T, bt % T
+        hh = tl.program_id(1) * BH + tl.arange(0, BH)
+        hm = hh < H
+        qb = q_ptr + b * sq_b + t * sq_t + hh[:, None] * sq_h
+        qn = tl.load(qb + tl.arange(0, DV)[None, :], mask=hm[:, None], other=0.0)
+        qr = tl.load(qb + DV + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0)
+        return b, t, hh, hm, qn, qr
+
+    @triton.jit
+    def _key_tile(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, qn, qr,
+                  DV: tl.constexpr, DR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        """One tile of BK selected rows: (usable, row ids, latent [BK, DV], rope [BK, DR], raw scores [BH, BK])."""
+        kk = k0 + tl.arange(0, BK)
+        ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
+        ok = (kk < K) & (ix >= 0) & (ix <= qp)
+        ixs = tl.where(ok, ix, 0)
+        r = base + ixs[:, None] * skv_s
+        kc = tl.load(r + tl.arange(0, DV)[None, :], mask=ok[:, None], other=0.0)
+        kr = tl.load(r + DV + tl.arange(0, DR)[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(qn, tl.trans(kc), input_precision=PREC) + tl.dot(qr, tl.trans(kr), input_precision=PREC)
+        return ok, ixs, kc, kr, s
+
+    @triton.jit
     def _fwd_kernel(
         q_ptr, kv_ptr, idx_ptr, qpos_ptr, rows_ptr, o_ptr, lse_ptr,
         T, H, K, scale,
         sq_b, sq_t, sq_h, skv_n, skv_s, si_b, si_t, sp_b, so_b, so_t, so_h, sl_b, sl_t,
         DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     ):
-        bt = tl.program_id(0)
-        b, t = bt // T, bt % T
-        hh = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = hh < H
-        dv, dr = tl.arange(0, DV), tl.arange(0, DR)
-        qb = q_ptr + b * sq_b + t * sq_t + hh[:, None] * sq_h
-        qn = tl.load(qb + dv[None, :], mask=hm[:, None], other=0.0)
-        qr = tl.load(qb + DV + dr[None, :], mask=hm[:, None], other=0.0)
+        b, t, hh, hm, qn, qr = _query(q_ptr, T, H, sq_b, sq_t, sq_h, DV, DR, BH)
+        dv = tl.arange(0, DV)
         qp = tl.load(qpos_ptr + b * sp_b + t)
         base = kv_ptr + tl.load(rows_ptr + b) * skv_n
         m = tl.full((BH,), float("-inf"), tl.float32)
         den = tl.zeros((BH,), tl.float32)
         acc = tl.zeros((BH, DV), tl.float32)
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
-            ok = (kk < K) & (ix >= 0) & (ix <= qp)
-            r = base + tl.where(ok, ix, 0)[:, None] * skv_s
-            kc = tl.load(r + dv[None, :], mask=ok[:, None], other=0.0)
-            kr = tl.load(r + DV + dr[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(qn, tl.trans(kc), input_precision=PREC) + tl.dot(qr, tl.trans(kr), input_precision=PREC)
+            ok, ixs, kc, kr, s = _key_tile(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, qn, qr, DV, DR, BK, PREC)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,14 +130,8 @@ if triton is not None:
         sdkv_n, sdkv_s,
         DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
     ):
-        bt = tl.program_id(0)
-        b, t = bt // T, bt % T
-        hh = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = hh < H
+        b, t, hh, hm, qn, qr = _query(q_ptr, T, H, sq_b, sq_t, sq_h, DV, DR, BH)
         dv, dr = tl.arange(0, DV), tl.arange(0, DR)
-        qb = q_ptr + b * sq_b + t * sq_t + hh[:, None] * sq_h
-        qn = tl.load(qb + dv[None, :], mask=hm[:, None], other=0.0)
-        qr = tl.load(qb + DV + dr[None, :], mask=hm[:, None], other=0.0)
         do = tl.load(do_ptr + b * sdo_b + t * sdo_t + hh[:, None] * sdo_h + dv[None, :], mask=hm[:, None],
                      other=0.0)
         lse = tl.load(lse_ptr + b * sl_b + t * sl_t + hh, mask=hm, other=float("inf"))
@@ -135,14 +143,7 @@ if triton is not None:
         dqn = tl.zeros((BH, DV), tl.float32)
         dqr = tl.zeros((BH, DR), tl.float32)
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
-            ok = (kk < K) & (ix >= 0) & (ix <= qp)
-            ixs = tl.where(ok, ix, 0)
-            r = base + ixs[:, None] * skv_s
-            kc = tl.load(r + dv[None, :], mask=ok[:, None], other=0.0)
-            kr = tl.load(r + DV + dr[None, :], mask=ok[:, None], other=0.0)
-            s = tl.dot(qn, tl.trans(kc), input_precision=PREC) + tl.dot(qr, tl.trans(kr), input_precision=PREC)
+            ok, ixs, kc, kr, s = _key_tile(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, qn, qr, DV, DR, BK, PREC)
             p = tl.where(ok[None, :], tl.exp(s * scale - lse[:, None]), 0.0)  # [BH, BK]
             dp = tl.dot(do, tl.trans(kc), input_precision=PREC)
             ds = p * (dp - delta[:, None])

@@ -5,20 +5,12 @@ import time
 
 import pytest
 import torch
+from engine_helpers import PROMPTS
+from engine_helpers import run_all as _run
 
 from model.generate import generate
 from rollout.engine import Engine, EngineError, GenRequest, QueueFull
 from rollout.sampling import SamplingParams
-
-PROMPTS = [list(range(1, 14)), [5, 6, 7], list(range(30, 52)), [200, 201]]
-
-
-def _run(engine, reqs):
-    for r in reqs:
-        engine.submit(r)
-    while any(not r.future.done() for r in reqs):
-        engine.step()
-    return reqs
 
 
 def _greedy(n=24, **kw):

@@ -7,20 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import PROMPTS
+from engine_helpers import run_all as _run
 
 from rollout.engine import DecodeGraphs, Engine, GenRequest
 from rollout.sampling import SamplingParams, filtered_logits, sample
 
-PROMPTS = [list(range(1, 14)), [5, 6, 7], list(range(30, 52)), [200, 201]]
 ENGINE_FILES = {str(Path(__file__).parents[2] / "rollout" / f) for f in ("engine.py", "sampling.py")}
-
-
-def _run(engine, reqs):
-    for r in reqs:
-        engine.submit(r)
-    while any(not r.future.done() for r in reqs):
-        engine.step()
-    return reqs
 
 
 def full_forward_greedy(model, prompt, n):
