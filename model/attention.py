@@ -97,13 +97,6 @@ class Indexer(nn.Module):
         w = w * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q.float(), w  # [B,T,HI,dI], [B,T,HI]
 
-    @staticmethod
-    def scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """q [B,T,HI,d], w [B,T,HI], k [B,S,d] → I [B,T,S] (fp32)."""
-        b, t, h, d = q.shape
-        logits = torch.matmul(q.reshape(b, t * h, d), k.float().transpose(1, 2)).relu_()
-        return torch.matmul(w.unsqueeze(-2), logits.view(b, t, h, -1)).squeeze(-2)
-
 
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, indexer_type: str):
@@ -213,7 +206,7 @@ class MLA(nn.Module):
             q, w = ix.queries(x, q_lat, ctx.cos, ctx.sin)
             t = x.shape[1]
             if collect:  # training statistic: full score matrix, kept with its graph
-                s = Indexer.scores(q, w, k_all)
+                s = kernels.indexer.scores_reference(q, w, k_all)  # full matrix, with its graph
                 s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
                 ctx.indexer_calls.append(self.layer_idx)
                 ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
