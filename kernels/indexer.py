@@ -56,10 +56,13 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def scores_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [B,T,HI,d], w [B,T,HI], k [B,S,d] → I [B,T,S] (fp32)."""
+def scores_reference(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, relu: bool = True) -> torch.Tensor:
+    """q [B,T,HI,d], w [B,T,HI], k [B,S,d] → I [B,T,S] (fp32). `relu`: Σ_j w_j·ReLU(q_j·k) (GLM-5 in
+    transformers, DeepSeek-V3.2); False: Σ_j w_j·(q_j·k) (Megatron's `dsa_indexer_scoring_relu=False`)."""
     b, t, h, d = q.shape
-    logits = torch.matmul(q.float().reshape(b, t * h, d), k.float().transpose(1, 2)).relu_()
+    logits = torch.matmul(q.float().reshape(b, t * h, d), k.float().transpose(1, 2))
+    if relu:
+        logits = logits.relu()
     return torch.matmul(w.float().unsqueeze(-2), logits.view(b, t, h, -1)).squeeze(-2)
 
 
@@ -69,7 +72,7 @@ def _fp8_inputs(q, w, k):
     return q8, w.float() * qs, k8, ks
 
 
-def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False) -> torch.Tensor:
+def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False, relu: bool = True) -> torch.Tensor:
     """The torch twin: scores in query chunks, causal mask, `stable_topk`."""
     b, t = q.shape[:2]
     s = k.shape[1]
@@ -82,7 +85,7 @@ def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False) -> torch
     step = max(1, CHUNK_ELEMS // max(1, q.shape[2] * s * b))
     out = []
     for t0 in range(0, t, step):
-        sc = scores_reference(q[:, t0 : t0 + step], w[:, t0 : t0 + step], k)
+        sc = scores_reference(q[:, t0 : t0 + step], w[:, t0 : t0 + step], k, relu)
         if ks is not None:
             sc = sc * ks[:, None, :]
         sc.masked_fill_(kpos > qpos[:, t0 : t0 + step, None], float("-inf"))
@@ -90,12 +93,12 @@ def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False) -> torch
     return torch.cat(out, 1)
 
 
-def indexer_topk(q, w, k, qpos, topk: int, fp8: bool = False) -> torch.Tensor:
+def indexer_topk(q, w, k, qpos, topk: int, fp8: bool = False, relu: bool = True) -> torch.Tensor:
     """Selected key positions [B, T, min(topk, S)] (int64, ascending) for queries q [B,T,HI,d] with head
-    weights w [B,T,HI], keys k [B,S,d], query positions qpos [B,T]."""
+    weights w [B,T,HI], keys k [B,S,d], query positions qpos [B,T]; `relu` as in `scores_reference`."""
     if backend(q, w, k, qpos) == "reference":
-        return indexer_topk_reference(q, w, k, qpos, topk, fp8)
-    return _indexer_topk_triton(q, w, k, qpos, topk, fp8)
+        return indexer_topk_reference(q, w, k, qpos, topk, fp8, relu)
+    return _indexer_topk_triton(q, w, k, qpos, topk, fp8, relu)
 
 
 # ---- Triton ------------------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ if triton is not None:
         T, S, t0,
         sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sks_b, sp_b, so_b, so_t,
         HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, HAS_KS: tl.constexpr, UPCAST: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, RELU: tl.constexpr,
     ):
         b = tl.program_id(0)
         rows = tl.program_id(1) * BT + tl.arange(0, BT)  # query rows within this chunk
@@ -131,7 +134,9 @@ if triton is not None:
                 qh = qh.to(tl.float32)
             logits = tl.dot(qh, tl.trans(kt), out_dtype=tl.float32, input_precision=PREC)
             wh = tl.load(w_ptr + b * sw_b + (t0 + rows) * sw_t + h, mask=rmask, other=0.0)
-            acc += wh[:, None] * tl.maximum(logits, 0.0)
+            if RELU:
+                logits = tl.maximum(logits, 0.0)
+            acc += wh[:, None] * logits
         if HAS_KS:
             acc = acc * tl.load(ks_ptr + b * sks_b + cols, mask=cmask, other=0.0)[None, :]
         qp = tl.load(qpos_ptr + b * sp_b + t0 + rows, mask=rmask, other=0)
@@ -158,7 +163,7 @@ if triton is not None:
         tl.store(out_ptr + row * so_row + offs, pos, mask=offs < TOPK)
 
 
-def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool) -> torch.Tensor:
+def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True) -> torch.Tensor:
     b, t, hi, d = q.shape
     s = k.shape[1]
     topk = min(topk, s)
@@ -184,7 +189,7 @@ def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool) -> torch.Tensor:
             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0), k.stride(1),
             ks_arg.stride(0), qpos.stride(0), keys.stride(0), keys.stride(1),
             HI=hi, D=d, BT=bt, BS=bs, HAS_KS=ks is not None, UPCAST=upcast,
-            PREC="ieee",
+            PREC="ieee", RELU=relu,
         )
         rows = keys.view(b * n, s)
         o = out[:, t0 : t0 + n].reshape(b * n, topk)

@@ -81,6 +81,7 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = FP32Linear(cfg.hidden_size, self.n_heads, bias=False)  # fp32, as the references keep it
+        self.w_scale = (self.n_heads * self.head_dim) ** -0.5  # over all heads (a tensor-parallel shard keeps it)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.qk_rope_head_dim
@@ -94,11 +95,26 @@ class Indexer(nn.Module):
         b, t, _ = x.shape
         q = self._rope(self.wq_b(q_in).view(b, t, self.n_heads, self.head_dim), cos.unsqueeze(2), sin.unsqueeze(2))
         w = F.linear(x.float(), self.weights_proj.weight.float())
-        w = w * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        w = w * self.w_scale
         return q.float(), w  # [B,T,HI,dI], [B,T,HI]
 
 
 class MLA(nn.Module):
+    """One attention layer. A tensor-parallel subclass (trainers/megatron) holds a slice of the heads and
+    overrides the two hooks: `_fan` (a replicated activation entering per-head work: identity forward,
+    gradient summed over the heads' ranks) and `_reduce_heads` (a sum over heads: summed over ranks)."""
+
+    def _fan(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def _reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def _split_heads(self) -> bool:
+        """True when the heads are split over ranks: the fused indexer top-k needs every head's score."""
+        return False
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, indexer_type: str):
         super().__init__()
         self.cfg, self.layer_idx, self.indexer_type = cfg, layer_idx, indexer_type
@@ -124,16 +140,17 @@ class MLA(nn.Module):
         b, t, _ = x.shape
         H, nope, rope, r = self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            q_lat = self.q_a_layernorm(self.q_a_proj(x))
+            q_lat = self._fan(self.q_a_layernorm(self.q_a_proj(x)))
             q = self.q_b_proj(q_lat)
         else:
-            q_lat = x
-            q = self.q_proj(x)
+            q_lat = self._fan(x)
+            q = self.q_proj(q_lat)
         q = q.view(b, t, H, nope + rope)
         q_nope = q[..., :nope]
         q_pe = apply_rope(q[..., nope:], ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2), True)
         kv = self.kv_a_proj_with_mqa(x)
         new_kv = torch.cat([self.kv_a_layernorm(kv[..., :r]), apply_rope(kv[..., r:], ctx.cos, ctx.sin, True)], -1)
+        new_kv = self._fan(new_kv)
         pool = self._write(ctx, "kv", new_kv)
         n_keys = ctx.n_keys if ctx.cache is not None else t
 
@@ -202,23 +219,28 @@ class MLA(nn.Module):
             x, q_lat = x.detach(), q_lat.detach()
         with torch.set_grad_enabled(collect and torch.is_grad_enabled()):
             k_new = ix.keys(x, ctx.cos, ctx.sin)
-            k_all = self._keys(ctx, "index", k_new)
-            q, w = ix.queries(x, q_lat, ctx.cos, ctx.sin)
+            k_all = self._fan(self._keys(ctx, "index", k_new))
+            q, w = ix.queries(self._fan(x), q_lat, ctx.cos, ctx.sin)
             t = x.shape[1]
-            if collect:  # training statistic: full score matrix, kept with its graph
-                s = kernels.indexer.scores_reference(q, w, k_all)  # full matrix, with its graph
+            relu = self.cfg.index_score_relu
+            if collect or self._split_heads:  # the full score matrix (with its graph when collecting statistics)
+                if not collect and not (sparse and keys_len > self.cfg.index_topk):
+                    return None
+                s = self._reduce_heads(kernels.indexer.scores_reference(q, w, k_all, relu))
                 s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
                 ctx.indexer_calls.append(self.layer_idx)
-                ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
+                if collect:
+                    ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
                 if not (sparse and keys_len > self.cfg.index_topk):
                     return None
                 sel = stable_topk(s.detach(), self.cfg.index_topk)
-                ctx.collect[-1]["sel"] = sel
+                if collect:
+                    ctx.collect[-1]["sel"] = sel
                 return sel
             if not (sparse and keys_len > self.cfg.index_topk):
                 return None
             ctx.indexer_calls.append(self.layer_idx)
-            return kernels.indexer_topk(q, w, k_all, ctx.qpos, self.cfg.index_topk)
+            return kernels.indexer_topk(q, w, k_all, ctx.qpos, self.cfg.index_topk, relu=relu)
 
     # ---- attention paths ----
     def _mask(self, ctx: AttnContext, t0: int, t1: int, n_keys: int, sel: torch.Tensor | None) -> torch.Tensor:
@@ -283,6 +305,6 @@ class MLA(nn.Module):
         k = torch.cat([kv[..., :nope], keys[..., None, r:].expand(b, s, H, cfg.qk_rope_head_dim)], -1)
         logits = torch.einsum("bthd,bshd->bhts", torch.cat([q_nope, q_pe], -1), k).float() * self.scale
         m = self._mask(ctx, 0, t, s, sel)
-        p = logits.masked_fill(~m[:, None], float("-inf")).softmax(-1).sum(1)  # [B,T,S]
+        p = self._reduce_heads(logits.masked_fill(~m[:, None], float("-inf")).softmax(-1).sum(1))  # [B,T,S]
         entry = ctx.collect[-1]
         entry["target"] = p if entry["target"] is None else entry["target"] + p

@@ -41,7 +41,7 @@ _HF_FIXED: dict[str, Any] = {
     "hidden_act": "silu", "topk_method": "noaux_tc", "rope_interleave": True, "mlp_bias": False, "moe_layer_freq": 1,
     "index_share_for_mtp_iteration": False,
 }
-_TEMPER_KEYS = frozenset({"use_dsa", "indexer_rope_interleave", "mtp_draft_steps"})
+_TEMPER_KEYS = frozenset({"use_dsa", "indexer_rope_interleave", "mtp_draft_steps", "index_score_relu", "mtp_input"})
 # HF's default `index_skip_topk_offset` when only `index_topk_freq` is given (transformers GlmMoeDsaConfig, SGLang).
 _HF_DEFAULT_SKIP_OFFSET = 2
 
@@ -158,9 +158,15 @@ class ModelConfig(BaseModel):
     indexer_types: list[IndexerType] | None = None
     index_share_freq: int = Field(default=1, gt=0)
     index_share_offset: int = Field(default=1, ge=0)  # 0 acts as 1, as in Megatron (see shared_indexer_pattern)
+    # the indexer score's convention: Σ_j w_j·ReLU(q_j·k) (True: transformers' GLM-5 and DeepSeek-V3.2, temper's
+    # default) or Σ_j w_j·(q_j·k) (False: Megatron's `dsa_indexer_scoring_relu=False`, its GLM-5 setting)
+    index_score_relu: bool = True
     # MTP
     num_nextn_predict_layers: int = Field(default=1, ge=0)
     mtp_draft_steps: int = Field(default=1, ge=1)
+    # which hidden state the first MTP layer reads: the last layer's output before the final norm ("pre_norm": temper's
+    # convention) or after it ("post_norm": Megatron's GPTModel, which feeds MTP the decoder's normed output)
+    mtp_input: Literal["pre_norm", "post_norm"] = "pre_norm"
     # misc
     rms_norm_eps: float = Field(default=1e-5, gt=0)
     initializer_range: float = Field(default=0.02, gt=0)
@@ -283,6 +289,8 @@ class ModelConfig(BaseModel):
                 "use_dsa": self.use_dsa,
                 "indexer_rope_interleave": self.indexer_rope_interleave,
                 "mtp_draft_steps": self.mtp_draft_steps,
+                "index_score_relu": self.index_score_relu,
+                "mtp_input": self.mtp_input,
             },
         }
         if self.model_type == "glm_moe_dsa":
@@ -377,6 +385,8 @@ class ModelConfig(BaseModel):
             **indexshare,
             num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
             mtp_draft_steps=t.get("mtp_draft_steps", 1),
+            index_score_relu=t.get("index_score_relu", True),
+            mtp_input=t.get("mtp_input", "pre_norm"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             initializer_range=d.get("initializer_range", 0.02),
             tie_word_embeddings=d.get("tie_word_embeddings", False),

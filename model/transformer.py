@@ -205,10 +205,14 @@ class Transformer(nn.Module):
         impl: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP draft step: (logits [B,T,V], hidden [B,T,H]). Position i combines hidden[i] with the
-        embedding of next_ids[i] (the token after position i) and predicts the token after that."""
+        embedding of next_ids[i] (the token after position i) and predicts the token after that. Step 0 takes the
+        main model's `out.hidden` (normed first when `config.mtp_input == "post_norm"`), later steps the previous
+        step's hidden."""
         if not len(self.mtp_layers):
             raise RuntimeError("this model has no MTP layer (num_nextn_predict_layers = 0)")
         layer = self.mtp_layers[min(step, len(self.mtp_layers) - 1)]
+        if step == 0 and self.config.mtp_input == "post_norm":  # Megatron's convention (ModelConfig.mtp_input)
+            hidden = self.norm(hidden)
         b, t = next_ids.shape
         ctx, slots, end = self._context(b, t, hidden.device, hidden.dtype, cache, slots, n_new, mtp=True, impl=impl)
         h = layer(hidden, self.embed_tokens(next_ids), ctx)
