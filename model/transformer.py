@@ -221,6 +221,10 @@ class Transformer(nn.Module):
         return self.lm_head(layer.shared_head_norm(h)), h
 
     # ---- utilities --------------------------------------------------------------------------------
+    def attention_modules(self) -> list[nn.Module]:
+        """The main layers' attention modules (what SAO's critic freezes; the Megatron model has its own)."""
+        return [layer.self_attn for layer in self.layers]
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 

@@ -42,8 +42,8 @@ class Critic(nn.Module):
         for p in self.body.lm_head.parameters():
             p.requires_grad_(False)
         if freeze_attention:
-            for layer in self.body.layers:
-                for p in layer.self_attn.parameters():
+            for attn in self.body.attention_modules():
+                for p in attn.parameters():
                     p.requires_grad_(False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""HF layout ↔ `MegatronGLM` shards, both ways, for any (tp, ep, etp) layout. Pure torch: no Megatron import.
+
+A rank's shard is named by (tp_rank, ep_rank, etp_rank). The rules, per HF tensor:
+
+* replicated on every rank: norms, the down projections `q_a_proj` / `kv_a_proj_with_mqa`, the indexer's key
+  `wk` and `k_norm`, the router weight and expert bias;
+* split by heads over tp along the output rows (`ColumnParallelLinear`): `q_b_proj` (or `q_proj`), `kv_b_proj`,
+  the indexer's `wq_b` and `weights_proj`; rows are head-major, so rank r holds heads [r·H/tp, (r+1)·H/tp);
+* split over tp along the input columns (`RowParallelLinear`): `o_proj`, the dense and shared MLPs' `down_proj`;
+* gated MLPs: Megatron's `linear_fc1` is [gate; up] of the rank's slice of the intermediate dim, so rank r holds
+  cat(gate_r, up_r) (not a plain row split);
+* vocab split over tp: `embed_tokens`, `lm_head`; MTP's `eh_proj` is column-parallel (output rows);
+* routed experts: expert e lives on ep rank e // (E/ep) as `local_experts.{e mod E/ep}`, its fc1/fc2 split over
+  etp like a gated MLP.
+
+`to_megatron(hf, cfg, ...)` builds one rank's shard; `from_megatron(shards, cfg, ...)` joins every rank's shard back
+into the HF dict. Both only slice and concatenate, so a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from model.config import ModelConfig
+
+REP, COL, ROW, GLU, VOCAB = "rep", "col", "row", "glu", "vocab"
+
+
+def _rules(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, str]]:
+    """(HF names, Megatron name, kind) for every non-expert tensor of the model."""
+    L = cfg.num_hidden_layers
+    yield ("model.embed_tokens.weight",), "embed_tokens.weight", VOCAB
+    yield ("model.norm.weight",), "norm.weight", REP
+    yield ("lm_head.weight",), "lm_head.weight", VOCAB
+    types = cfg.layer_indexer_types()
+    for i in range(L + cfg.num_nextn_predict_layers):
+        hf = f"model.layers.{i}."
+        mg = f"decoder.layers.{i}." if i < L else f"mtp_layers.{i - L}.layer."
+        if i >= L:
+            top = f"mtp_layers.{i - L}."
+            yield (hf + "enorm.weight",), top + "enorm.weight", REP
+            yield (hf + "hnorm.weight",), top + "hnorm.weight", REP
+            yield (hf + "eh_proj.weight",), top + "eh_proj.weight", COL
+            yield (hf + "shared_head.norm.weight",), top + "shared_head_norm.weight", REP
+        yield (hf + "input_layernorm.weight",), mg + "input_layernorm.weight", REP
+        yield (hf + "post_attention_layernorm.weight",), mg + "pre_mlp_layernorm.weight", REP
+        a, ma = hf + "self_attn.", mg + "self_attention."
+        if cfg.q_lora_rank:
+            yield (a + "q_a_proj.weight",), ma + "q_a_proj.weight", REP
+            yield (a + "q_a_layernorm.weight",), ma + "q_a_layernorm.weight", REP
+            yield (a + "q_b_proj.weight",), ma + "q_b_proj.weight", COL
+        else:
+            yield (a + "q_proj.weight",), ma + "q_proj.weight", COL
+        yield (a + "kv_a_proj_with_mqa.weight",), ma + "kv_a_proj_with_mqa.weight", REP
+        yield (a + "kv_a_layernorm.weight",), ma + "kv_a_layernorm.weight", REP
+        yield (a + "kv_b_proj.weight",), ma + "kv_b_proj.weight", COL
+        yield (a + "o_proj.weight",), ma + "o_proj.weight", ROW
+        full = types[i] == "full" if i < L else cfg.use_dsa
+        if full:
+            ix, mx = a + "indexer.", ma + "indexer."
+            yield (ix + "wq_b.weight",), mx + "wq_b.weight", COL
+            yield (ix + "wk.weight",), mx + "wk.weight", REP
+            yield (ix + "k_norm.weight",), mx + "k_norm.weight", REP
+            yield (ix + "k_norm.bias",), mx + "k_norm.bias", REP
+            yield (ix + "weights_proj.weight",), mx + "weights_proj.weight", COL
+        m, mm = hf + "mlp.", mg + "mlp."
+        if i < L and not cfg.is_moe_layer(i):
+            yield (m + "gate_proj.weight", m + "up_proj.weight"), mm + "linear_fc1.weight", GLU
+            yield (m + "down_proj.weight",), mm + "linear_fc2.weight", ROW
+            continue
+        yield (m + "gate.weight",), mm + "router.weight", REP
+        yield (m + "gate.e_score_correction_bias",), mm + "router.expert_bias", REP
+        if cfg.n_shared_experts:
+            s = m + "shared_experts."
+            yield (s + "gate_proj.weight", s + "up_proj.weight"), mm + "shared_experts.linear_fc1.weight", GLU
+            yield (s + "down_proj.weight",), mm + "shared_experts.linear_fc2.weight", ROW
+
+
+def _moe_layers(cfg: ModelConfig) -> list[tuple[str, str]]:
+    L = cfg.num_hidden_layers
+    out = [(f"model.layers.{i}.mlp.experts.", f"decoder.layers.{i}.mlp.experts.local_experts.")
+           for i in range(L) if cfg.is_moe_layer(i)]
+    out += [(f"model.layers.{L + j}.mlp.experts.", f"mtp_layers.{j}.layer.mlp.experts.local_experts.")
+            for j in range(cfg.num_nextn_predict_layers)]
+    return out
+
+
+def _check(cfg: ModelConfig, tp: int, ep: int, etp: int) -> None:
+    if cfg.n_routed_experts % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide n_routed_experts={cfg.n_routed_experts}")
+    for name, n, k in [("num_attention_heads", cfg.num_attention_heads, tp), ("vocab_size", cfg.vocab_size, tp),
+                       ("intermediate_size", cfg.intermediate_size, tp), ("index_n_heads", cfg.index_n_heads, tp),
+                       ("moe_intermediate_size", cfg.moe_intermediate_size, etp),
+                       ("hidden_size", cfg.hidden_size, tp)]:
+        if n % k:
+            raise ValueError(f"{name}={n} does not split over {k} ranks")
+
+
+def _split(kind: str, ts: list[torch.Tensor], n: int, r: int) -> torch.Tensor:
+    if kind == REP:
+        return ts[0]
+    if kind in (COL, VOCAB):
+        return ts[0].chunk(n, 0)[r]
+    if kind == ROW:
+        return ts[0].chunk(n, 1)[r]
+    return torch.cat([ts[0].chunk(n, 0)[r], ts[1].chunk(n, 0)[r]], 0)  # GLU
+
+
+def _join(kind: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    if kind == REP:
+        for p in parts[1:]:
+            if not torch.equal(p, parts[0]):
+                raise ValueError("replicated tensor differs between ranks")
+        return [parts[0]]
+    if kind in (COL, VOCAB):
+        return [torch.cat(parts, 0)]
+    if kind == ROW:
+        return [torch.cat(parts, 1)]
+    halves = [p.chunk(2, 0) for p in parts]
+    return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+
+
+def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | None = None,
+                tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The shard of rank (tp_rank, ep_rank, etp_rank): Megatron names → tensors (views into `hf` where possible)."""
+    etp = tp if etp is None else etp
+    _check(cfg, tp, ep, etp)
+    out: dict[str, torch.Tensor] = {}
+    for names, mg, kind in _rules(cfg):
+        missing = [n for n in names if n not in hf]
+        if missing:
+            raise KeyError(f"HF state lacks {', '.join(missing)}")
+        out[mg] = _split(kind, [hf[n] for n in names], tp, tp_rank)
+    per = cfg.n_routed_experts // ep
+    for hf_pre, mg_pre in _moe_layers(cfg):
+        for j in range(per):
+            e = ep_rank * per + j
+            g, u, d = (hf[f"{hf_pre}{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            out[f"{mg_pre}{j}.linear_fc1.weight"] = _split(GLU, [g, u], etp, etp_rank)
+            out[f"{mg_pre}{j}.linear_fc2.weight"] = _split(ROW, [d], etp, etp_rank)
+    return out
+
+
+def from_megatron(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], cfg: ModelConfig, *, tp: int = 1,
+                  ep: int = 1, etp: int | None = None) -> dict[str, torch.Tensor]:
+    """Join every rank's shard (keyed by (tp_rank, ep_rank, etp_rank)) into the HF state dict. Dense tensors are read
+    from the ep_rank-0 / etp_rank-0 shards; replicated tensors must agree across ranks."""
+    etp = tp if etp is None else etp
+    _check(cfg, tp, ep, etp)
+    hf: dict[str, torch.Tensor] = {}
+    for names, mg, kind in _rules(cfg):
+        parts = [shards[(r, 0, 0)][mg] for r in range(tp)]
+        for n, t in zip(names, _join(kind, parts)):
+            hf[n] = t
+    per = cfg.n_routed_experts // ep
+    for hf_pre, mg_pre in _moe_layers(cfg):
+        for e in range(cfg.n_routed_experts):
+            er, j = divmod(e, per)
+            fc1 = [shards[(0, er, k)][f"{mg_pre}{j}.linear_fc1.weight"] for k in range(etp)]
+            fc2 = [shards[(0, er, k)][f"{mg_pre}{j}.linear_fc2.weight"] for k in range(etp)]
+            hf[f"{hf_pre}{e}.gate_proj.weight"], hf[f"{hf_pre}{e}.up_proj.weight"] = _join(GLU, fc1)
+            hf[f"{hf_pre}{e}.down_proj.weight"] = _join(ROW, fc2)[0]
+    return hf
+
+
+def megatron_state(model) -> dict[str, torch.Tensor]:
+    """A MegatronGLM's own tensors under the converter's names (Megatron's `_extra_state` entries dropped)."""
+    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def load_into(model, hf: dict[str, torch.Tensor], *, tp: int = 1, ep: int = 1, etp: int | None = None,
+              tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """Copy this rank's shard of `hf` into a MegatronGLM (every tensor must be covered, shapes must match)."""
+    shard = to_megatron(hf, model.config, tp=tp, ep=ep, etp=etp, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+    own = megatron_state(model)
+    if set(shard) != set(own):
+        extra, missing = sorted(set(shard) - set(own)), sorted(set(own) - set(shard))
+        raise KeyError(f"shard/model mismatch: unexpected {extra[:5]}, missing {missing[:5]}")
+    with torch.no_grad():
+        for k, t in own.items():
+            if t.shape != shard[k].shape:
+                raise ValueError(f"{k}: shard shape {tuple(shard[k].shape)} != model {tuple(t.shape)}")
+            t.copy_(shard[k])

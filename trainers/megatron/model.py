@@ -1,0 +1,320 @@
+"""temper's GLM-5 model built from Megatron-core parts, for the `trainer.kind: megatron` backend.
+
+What Megatron supplies: the parallel state, `TransformerBlock` / `TransformerLayer` (built from
+`get_gpt_decoder_block_spec`, so the first `first_k_dense_replace` layers are dense and the rest MoE), its
+tensor-parallel linears and vocab-parallel embedding, and the MoE layer (`TopKRouter` with sigmoid scores, the
+expert bias, group-limited top-k and the routed scaling factor; the token dispatcher; `SequentialMLP` experts;
+`SharedExpertMLP`).
+
+What temper supplies, as a `ModuleSpec` in the layer's `self_attention` slot: MLA with the DSA lightning indexer
+and IndexShare (`MegatronMLA`, temper's own `model.attention.MLA` with its heads split over the tensor-parallel
+ranks). Megatron's MLA spec cannot be built without Transformer Engine (its local `DotProductAttention` rejects
+`k_channels`) and its DSA spec supports only Transformer Engine, so the attention core is temper's: the Triton
+sparse-MLA and indexer kernels on a GPU, the torch twins elsewhere.
+
+`MegatronGLM` is a training model with the interface the trainers use on `model.Transformer`: `run(ids)` →
+`ModelOutput(logits, hidden)`, `mtp(hidden, next_ids, step)`, `mtp_layers`, `norm`, `lm_head`, `config` (the
+temper `ModelConfig`), `attention_modules()`, `update_router_bias(rate)`, `moe_layers()`. So `LMTrainer`,
+`SAOTrainer` and the OPD trainer run on it unchanged. It has no KV cache: the engines keep temper's own model and
+receive the weights in HF layout (`trainers.megatron.convert.to_hf`), the same weight sync as the torch backend.
+Megatron's `GPTModel` is not used as the outer class because its forward owns the loss and feeds MTP from inside;
+the trainers need the hidden states and each MTP step's logits (SAO's critic, OPD's teachers, the MTP loss).
+
+Activations inside Megatron are [sequence, batch, hidden]; temper's are [batch, sequence, hidden].
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import MLA, AttnContext
+from model.config import ModelConfig
+from model.layers import RMSNorm, Rotary
+from model.transformer import IMPLS, ModelOutput
+
+from .mapping import megatron_args
+
+
+@functools.cache
+def _mcore():
+    """The megatron.core modules this file uses (imported lazily: megatron-core is the optional extra)."""
+    try:
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer import MLATransformerConfig
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+        from megatron.core.transformer.transformer_block import TransformerBlock
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("trainer.kind=megatron needs megatron-core: pip install 'temper[megatron]'") from e
+    return parallel_state, tensor_parallel, get_gpt_decoder_block_spec, MLATransformerConfig, ModuleSpec, \
+        build_module, TransformerBlock
+
+
+def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                       dtype: torch.dtype = torch.float32, dispatcher: str | None = None, **overrides: Any):
+    """Megatron's MLATransformerConfig for `cfg` on a (tp, pp, ep) layout. Keys the installed Megatron does not
+    know (the DSA fields before 0.19) are left out: the attention core is temper's and reads them from `cfg`.
+    `dispatcher`: Megatron's MoE token dispatcher; None: "alltoall" with CUDA, else "allgather" (the all-to-all
+    dispatcher allocates CUDA streams)."""
+    dispatcher = dispatcher or ("alltoall" if torch.cuda.is_available() else "allgather")
+    _, _, _, MLATransformerConfig, *_ = _mcore()
+    args = megatron_args(cfg)
+    known = set(MLATransformerConfig.__dataclass_fields__)
+    args = {k: v for k, v in args.items() if k in known}  # model-level keys (tied embeddings) and pre-0.19 DSA keys
+    args.update(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp if etp is not None else tp,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False, pipeline_dtype=dtype,
+        use_cpu_initialization=True, perform_initialization=True, init_method_std=cfg.initializer_range,
+        activation_func=F.silu, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
+        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False, num_query_groups=cfg.num_attention_heads,
+    )
+    args.update(overrides)
+    return MLATransformerConfig(**args)
+
+
+@dataclass
+class ForwardState:
+    """What every attention layer of one forward shares: the context and IndexShare's current selection."""
+
+    ctx: AttnContext | None = None
+    sel: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class MegatronMLA(MLA):
+    """temper's MLA + DSA as Megatron's `self_attention` submodule, with `num_attention_heads / tp` heads (and as
+    many indexer heads) on each tensor-parallel rank. Per-head projections are Megatron's `ColumnParallelLinear`
+    (q_b_proj, kv_b_proj, the indexer's wq_b and head weights) and `RowParallelLinear` (o_proj); the down
+    projections, norms and the indexer's key are replicated. The tensor-parallel algebra is explicit in the two
+    `MLA` hooks: a replicated activation entering per-head work goes through `copy_to_tensor_model_parallel_region`
+    (its gradient is summed over ranks, so replicated weights get identical, complete gradients), and a sum over
+    heads (the indexer score, the head-summed attention statistic) through `reduce_from_tensor_model_parallel_region`.
+    """
+
+    def __init__(self, config, layer_number: int, cp_comm_type=None, pg_collection=None, *, model_cfg: ModelConfig,
+                 state: ForwardState, **_: Any):
+        ps, *_ = _mcore()
+        tp = ps.get_tensor_model_parallel_world_size()
+        H, HI = model_cfg.num_attention_heads, model_cfg.index_n_heads
+        if H % tp or (model_cfg.use_dsa and HI % tp):
+            raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={H} and index_n_heads={HI}")
+        local = model_cfg.model_copy(update={"num_attention_heads": H // tp, "index_n_heads": HI // tp})
+        idx = layer_number - 1
+        L = model_cfg.num_hidden_layers
+        itype = model_cfg.layer_indexer_types()[idx] if idx < L else ("full" if model_cfg.use_dsa else "none")
+        super().__init__(local, idx, itype)
+        self.tp, self.state = tp, state
+        mc = config
+
+        def col(n_in, n_out):
+            return _Column(n_in, n_out, config=mc, init_method=mc.init_method, bias=False, gather_output=False,
+                           disable_grad_reduce=True)
+
+        c = model_cfg
+        if c.q_lora_rank:
+            self.q_b_proj = col(c.q_lora_rank, H * c.qk_head_dim)
+        else:
+            self.q_proj = col(c.hidden_size, H * c.qk_head_dim)
+        self.kv_b_proj = col(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = _Row(H * c.v_head_dim, c.hidden_size, config=mc, init_method=mc.output_layer_init_method,
+                           bias=False, input_is_parallel=True, skip_bias_add=False)
+        if self.indexer is not None:
+            self.indexer.wq_b = col(c.q_lora_rank or c.hidden_size, HI * c.index_head_dim)
+            self.indexer.weights_proj = col(c.hidden_size, HI)
+            self.indexer.w_scale = (HI * c.index_head_dim) ** -0.5
+
+    def _fan(self, t: torch.Tensor) -> torch.Tensor:
+        return _mcore()[1].copy_to_tensor_model_parallel_region(t) if self.tp > 1 else t
+
+    def _reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return _mcore()[1].reduce_from_tensor_model_parallel_region(t) if self.tp > 1 else t
+
+    @property
+    def _split_heads(self) -> bool:
+        return self.tp > 1
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_: Any):
+        st = self.state
+        out, sel = MLA.forward(self, hidden_states.transpose(0, 1), st.ctx, st.sel)
+        st.sel = sel  # IndexShare: the next layer reads its leader's selection from here
+        return out.transpose(0, 1), None
+
+
+@functools.cache
+def _linear_classes():
+    _, tpl, *_ = _mcore()
+
+    class Column(tpl.ColumnParallelLinear):
+        """Megatron's ColumnParallelLinear returning the output alone (temper's MLA calls it like nn.Linear)."""
+
+        def forward(self, x):  # noqa: D102
+            return super().forward(x)[0]
+
+    class Row(tpl.RowParallelLinear):
+        def forward(self, x):  # noqa: D102
+            return super().forward(x)[0]
+
+    return Column, Row
+
+
+def _Column(*a, **kw):
+    return _linear_classes()[0](*a, **kw)
+
+
+def _Row(*a, **kw):
+    return _linear_classes()[1](*a, **kw)
+
+
+class _Norm(RMSNorm):
+    """temper's RMSNorm (kernels.rms_norm) with Megatron's norm constructor (config, hidden_size, eps)."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5):
+        super().__init__(hidden_size, eps)
+
+
+class MTPBlock(nn.Module):
+    """One MTP layer: eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) → a Megatron TransformerLayer (MoE, full indexer)."""
+
+    def __init__(self, cfg: ModelConfig, mcfg, layer_spec, layer_number: int):
+        super().__init__()
+        *_, build_module, _ = _mcore()
+        self.enorm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hnorm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.eh_proj = _Column(2 * cfg.hidden_size, cfg.hidden_size, config=mcfg, init_method=mcfg.init_method,
+                               bias=False, gather_output=True)
+        self.layer = build_module(layer_spec, config=mcfg, layer_number=layer_number)
+        self.shared_head_norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class MegatronGLM(nn.Module):
+    """See the module docstring. Build with `MegatronGLM(cfg, mcfg)` after `parallel.initialize(...)`."""
+
+    def __init__(self, config: ModelConfig, mcfg):
+        super().__init__()
+        ps, tpl, get_block_spec, _, ModuleSpec, build_module, TransformerBlock = _mcore()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("MegatronGLM runs one pipeline stage; pipeline_model_parallel_size must be 1")
+        self.config, self.mcfg = cfg, mcfg = config, mcfg
+        if cfg.tie_word_embeddings:
+            raise NotImplementedError("MegatronGLM: tie_word_embeddings (GLM-5 unties them) is not built")
+        self.state = ForwardState()
+        attn = ModuleSpec(module=MegatronMLA, params={"model_cfg": cfg, "state": self.state})
+        norm = ModuleSpec(module=_Norm)
+        block = get_block_spec(mcfg, use_transformer_engine=False, normalization="RMSNorm")
+        for spec in block.layer_specs:
+            sub = spec.submodules
+            sub.self_attention = attn
+            sub.input_layernorm = sub.pre_mlp_layernorm = norm
+        self.embed_tokens = tpl.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=mcfg.init_method,
+                                                       config=mcfg)
+        self.decoder = TransformerBlock(mcfg, block, post_layer_norm=False)
+        self.norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = _Column(cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=mcfg.init_method,
+                               bias=False, gather_output=True)
+        moe_spec = block.layer_specs[-1]
+        if not cfg.is_moe_layer(cfg.num_hidden_layers - 1):
+            raise ValueError("MegatronGLM: the last layer must be MoE (the MTP layers copy its spec)")
+        L = cfg.num_hidden_layers
+        self.mtp_layers = nn.ModuleList(MTPBlock(cfg, mcfg, moe_spec, L + j + 1)
+                                        for j in range(cfg.num_nextn_predict_layers))
+        self.rotary = Rotary(cfg)
+
+    # ---- the Transformer interface the trainers use ------------------------------------------------
+    def _context(self, b: int, t: int, device, dtype, **kw) -> AttnContext:
+        if kw.get("impl", "auto") not in IMPLS:
+            raise ValueError(f"impl: {kw['impl']!r} is not one of {', '.join(IMPLS)}")
+        ar = torch.arange(t, device=device)
+        cos, sin = self.rotary(ar, dtype)
+        return AttnContext(cos=cos.expand(b, t, -1), sin=sin.expand(b, t, -1), qpos=ar.expand(b, t), **kw)
+
+    def run(self, input_ids: torch.Tensor, *, dense: bool = False, impl: str = "auto",
+            collect_indexer: bool = False, detach_indexer_input: bool = False, logits: bool = True,
+            **unsupported: Any) -> ModelOutput:
+        if unsupported:
+            raise TypeError(f"MegatronGLM.run is a training forward (no KV cache): {', '.join(unsupported)} unsupported")
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        ctx = self._context(b, t, x.device, x.dtype, dense=dense, impl=impl,
+                            collect=[] if collect_indexer else None, detach_indexer_input=detach_indexer_input)
+        self.state.ctx, self.state.sel = ctx, None
+        try:
+            h = self.decoder(x.transpose(0, 1).contiguous(), attention_mask=None)
+        finally:
+            self.state.ctx = self.state.sel = None
+        h = h.transpose(0, 1)
+        out = self.lm_head(self.norm(h)) if logits else h.new_empty(0)
+        return ModelOutput(out, h, ctx.collect, ctx.indexer_calls)
+
+    def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+        return self.run(input_ids, **kw).logits
+
+    def mtp(self, hidden: torch.Tensor, next_ids: torch.Tensor, step: int = 0, *, impl: str = "auto",
+            **unsupported: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if unsupported:
+            raise TypeError(f"MegatronGLM.mtp is a training forward (no KV cache): {', '.join(unsupported)} unsupported")
+        if not len(self.mtp_layers):
+            raise RuntimeError("this model has no MTP layer (num_nextn_predict_layers = 0)")
+        m = self.mtp_layers[min(step, len(self.mtp_layers) - 1)]
+        if step == 0 and self.config.mtp_input == "post_norm":
+            hidden = self.norm(hidden)
+        b, t = next_ids.shape
+        x = m.eh_proj(torch.cat([m.enorm(self.embed_tokens(next_ids)), m.hnorm(hidden)], -1))
+        self.state.ctx, self.state.sel = self._context(b, t, hidden.device, hidden.dtype, impl=impl), None
+        try:
+            h = m.layer(x.transpose(0, 1).contiguous(), attention_mask=None)[0].transpose(0, 1)
+        finally:
+            self.state.ctx = self.state.sel = None
+        return self.lm_head(m.shared_head_norm(h)), h
+
+    def attention_modules(self) -> list[nn.Module]:
+        return [layer.self_attention for layer in self.decoder.layers]
+
+    def moe_layers(self) -> list[nn.Module]:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    @torch.no_grad()
+    def expert_loads(self) -> list[torch.Tensor]:
+        """Tokens routed to each expert since the last `update_router_bias`, one tensor per MoE layer."""
+        return [m.router.local_tokens_per_expert for m in self.moe_layers()]
+
+    @torch.no_grad()
+    def update_router_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing, temper's rule on Megatron's counters: bias += rate·sign(mean load − load)."""
+        for m in self.moe_layers():
+            r = m.router
+            load = r.local_tokens_per_expert.float()
+            if load.sum() > 0:
+                r.expert_bias += rate * torch.sign(load.mean() - load)
+            r.local_tokens_per_expert.zero_()
+
+    def __deepcopy__(self, memo):
+        """A deep copy (SAO's critic copies the actor) that shares the process groups instead of copying them."""
+        from torch.distributed import ProcessGroup
+
+        saved = {t: copy._deepcopy_dispatch.get(t) for t in (ProcessGroup, torch.Tensor)}
+        copy._deepcopy_dispatch[ProcessGroup] = lambda pg, _memo: pg  # a group handle is not data: share it
+        # Megatron's dispatchers keep the last forward's routing tensors (graph non-leaves): copied detached
+        copy._deepcopy_dispatch[torch.Tensor] = lambda t, m: t.__deepcopy__(m) if t.is_leaf else t.detach().clone()
+        try:
+            cls = self.__class__
+            new = cls.__new__(cls)
+            memo[id(self)] = new
+            for k, v in self.__dict__.items():
+                object.__setattr__(new, k, copy.deepcopy(v, memo))
+            return new
+        finally:
+            for t, f in saved.items():
+                if f is None:
+                    del copy._deepcopy_dispatch[t]
+                else:
+                    copy._deepcopy_dispatch[t] = f
