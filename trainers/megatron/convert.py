@@ -108,11 +108,14 @@ def _split(kind: str, ts: list[torch.Tensor], n: int, r: int) -> torch.Tensor:
     return torch.cat([ts[0].chunk(n, 0)[r], ts[1].chunk(n, 0)[r]], 0)  # GLU
 
 
-def _join(kind: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+def _join(kind: str, parts: list[torch.Tensor], name: str = "", rtol: float = 0.0) -> list[torch.Tensor]:
     if kind == REP:
-        for p in parts[1:]:
+        for r, p in enumerate(parts[1:], 1):
             if not torch.equal(p, parts[0]):
-                raise ValueError("replicated tensor differs between ranks")
+                d = (p.float() - parts[0].float()).abs().max().item()
+                if d <= rtol * parts[0].float().abs().max().item():
+                    continue
+                raise ValueError(f"{name}: replicated tensor differs between tp ranks 0 and {r} (max |diff| {d:.3g} of {parts[0].float().abs().max().item():.3g})")
         return [parts[0]]
     if kind in (COL, VOCAB):
         return [torch.cat(parts, 0)]
@@ -144,22 +147,30 @@ def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1, e
 
 
 def from_megatron(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], cfg: ModelConfig, *, tp: int = 1,
-                  ep: int = 1, etp: int | None = None) -> dict[str, torch.Tensor]:
+                  ep: int = 1, etp: int | None = None, rtol: float = 0.0) -> dict[str, torch.Tensor]:
     """Join every rank's shard (keyed by (tp_rank, ep_rank, etp_rank)) into the HF state dict. Dense tensors are read
-    from the ep_rank-0 / etp_rank-0 shards; replicated tensors must agree across ranks."""
+    from ep rank 0's shards (one per tp rank), experts from one shard per (ep rank, etp rank); replicated tensors
+    must agree across the tp ranks: bit for bit (weights), or within `rtol` of their largest entry (gradients, whose
+    all-reduce may sum in a different order on each rank)."""
     etp = tp if etp is None else etp
     _check(cfg, tp, ep, etp)
+    dense = {k[0]: v for k, v in sorted(shards.items(), reverse=True) if k[1] == 0}  # tp rank → a shard of ep rank 0
+    expert = {(k[1], k[2]): v for k, v in sorted(shards.items(), reverse=True)}  # (ep, etp) rank → a shard
+    missing = [r for r in range(tp) if r not in dense] + [k for k in
+                                                          ((e, t) for e in range(ep) for t in range(etp)) if k not in expert]
+    if missing:
+        raise KeyError(f"from_megatron: no shard for ranks {missing}")
     hf: dict[str, torch.Tensor] = {}
     for names, mg, kind in _rules(cfg):
-        parts = [shards[(r, 0, 0)][mg] for r in range(tp)]
-        for n, t in zip(names, _join(kind, parts)):
+        parts = [dense[r][mg] for r in range(tp)]
+        for n, t in zip(names, _join(kind, parts, mg, rtol)):
             hf[n] = t
     per = cfg.n_routed_experts // ep
     for hf_pre, mg_pre in _moe_layers(cfg):
         for e in range(cfg.n_routed_experts):
             er, j = divmod(e, per)
-            fc1 = [shards[(0, er, k)][f"{mg_pre}{j}.linear_fc1.weight"] for k in range(etp)]
-            fc2 = [shards[(0, er, k)][f"{mg_pre}{j}.linear_fc2.weight"] for k in range(etp)]
+            fc1 = [expert[(er, k)][f"{mg_pre}{j}.linear_fc1.weight"] for k in range(etp)]
+            fc2 = [expert[(er, k)][f"{mg_pre}{j}.linear_fc2.weight"] for k in range(etp)]
             hf[f"{hf_pre}{e}.gate_proj.weight"], hf[f"{hf_pre}{e}.up_proj.weight"] = _join(GLU, fc1)
             hf[f"{hf_pre}{e}.down_proj.weight"] = _join(ROW, fc2)[0]
     return hf

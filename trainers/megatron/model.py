@@ -94,9 +94,10 @@ class MegatronMLA(MLA):
     many indexer heads) on each tensor-parallel rank. Per-head projections are Megatron's `ColumnParallelLinear`
     (q_b_proj, kv_b_proj, the indexer's wq_b and head weights) and `RowParallelLinear` (o_proj); the down
     projections, norms and the indexer's key are replicated. The tensor-parallel algebra is explicit in the two
-    `MLA` hooks: a replicated activation entering per-head work goes through `copy_to_tensor_model_parallel_region`
-    (its gradient is summed over ranks, so replicated weights get identical, complete gradients), and a sum over
-    heads (the indexer score, the head-summed attention statistic) through `reduce_from_tensor_model_parallel_region`.
+    `MLA` hooks: a replicated activation entering per-head work goes through `_FanOut` (its gradient is summed over
+    ranks, so replicated weights get identical, complete gradients), and a sum over heads (the indexer score, the
+    head-summed attention statistic) through `_SumHeads`. (Megatron's own copy/reduce regions all-reduce a
+    contiguous copy and return the original, so a non-contiguous gradient would go unreduced.)
     """
 
     def __init__(self, config, layer_number: int, cp_comm_type=None, pg_collection=None, *, model_cfg: ModelConfig,
@@ -132,10 +133,10 @@ class MegatronMLA(MLA):
             self.indexer.w_scale = (HI * c.index_head_dim) ** -0.5
 
     def _fan(self, t: torch.Tensor) -> torch.Tensor:
-        return _mcore()[1].copy_to_tensor_model_parallel_region(t) if self.tp > 1 else t
+        return _FanOut.apply(t) if self.tp > 1 else t
 
     def _reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
-        return _mcore()[1].reduce_from_tensor_model_parallel_region(t) if self.tp > 1 else t
+        return _SumHeads.apply(t) if self.tp > 1 else t
 
     @property
     def _split_heads(self) -> bool:
@@ -146,6 +147,38 @@ class MegatronMLA(MLA):
         out, sel = MLA.forward(self, hidden_states.transpose(0, 1), st.ctx, st.sel)
         st.sel = sel  # IndexShare: the next layer reads its leader's selection from here
         return out.transpose(0, 1), None
+
+
+def _tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.contiguous()  # Megatron's own _reduce all-reduces a contiguous copy and returns the input unreduced
+    dist.all_reduce(t, group=_mcore()[0].get_tensor_model_parallel_group())
+    return t
+
+
+class _FanOut(torch.autograd.Function):
+    """Identity forward; the gradient is summed over the tensor-parallel ranks."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _tp_all_reduce(g.clone())
+
+
+class _SumHeads(torch.autograd.Function):
+    """Sum over the tensor-parallel ranks forward; identity backward (each rank's term has its own parameters)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return _tp_all_reduce(t.clone())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 @functools.cache

@@ -1,0 +1,135 @@
+"""Megatron vs torch parity on the same weights: logits, MTP logits, loss and every gradient, on any (tp, ep)
+layout. Used by the tests (gloo on the CPU) and by `bench/megatron_gpu.py` (NCCL on the H200).
+
+Loss of one step: next-token cross-entropy + `mtp_w` × the MTP loss (+ the indexer KL when `indexer`), summed over
+tokens and divided by the global token count, so that with expert parallelism (each rank its own rows) the sum of
+the ranks' dense gradients is the full-batch gradient, as it is for the experts through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.checkpoint import to_hf_state
+from model.losses import indexer_kl_loss
+
+from .convert import from_megatron, load_into, megatron_state
+
+
+def step_loss(model, ids: torch.Tensor, n_global: int, mtp_w: float = 0.3, indexer: bool = False):
+    """(loss, logits, mtp_logits) of `model` (temper Transformer or MegatronGLM) on rows `ids`."""
+    out = model.run(ids, collect_indexer=indexer, detach_indexer_input=True)
+    lg = out.logits.float()
+    loss = F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum") / n_global
+    mlg = None
+    if len(model.mtp_layers) and mtp_w:
+        mlg, _ = model.mtp(out.hidden[:, :-1], ids[:, 1:], 0)
+        mlg = mlg.float()
+        ml = F.cross_entropy(mlg[:, :-1].reshape(-1, mlg.shape[-1]), ids[:, 2:].reshape(-1), reduction="sum")
+        loss = loss + mtp_w * ml / n_global
+    if indexer and out.indexer_stats:
+        loss = loss + indexer_kl_loss(out.indexer_stats) * ids.shape[0] / n_global
+    return loss, lg.detach(), None if mlg is None else mlg.detach()
+
+
+def hf_grads(model) -> dict[str, torch.Tensor]:
+    """A temper Transformer's gradients under HF names (zeros where none; buffers left out)."""
+    g = copy.deepcopy(model)
+    with torch.no_grad():
+        for (n, p), (_, q) in zip(model.named_parameters(), g.named_parameters()):
+            q.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    return dict(to_hf_state(g))
+
+
+def megatron_grads(model) -> dict[str, torch.Tensor]:
+    """A MegatronGLM's gradients under the converter's names (buffers keep their values)."""
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+             for n, p in model.named_parameters()}
+    return {k: grads.get(k, v.detach().float().cpu()) for k, v in megatron_state(model).items()}
+
+
+def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, payload: str, out_dir: str,
+                device: str, dtype: str) -> None:
+    """One rank: build MegatronGLM on the (tp, ep) layout, load its shard, run `step_loss`, save its results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    from megatron.core import parallel_state as ps
+
+    from . import parallel
+    from .model import MegatronGLM, transformer_config
+
+    blob = torch.load(payload, weights_only=False)
+    cfg = ModelConfig(**blob["cfg"])
+    dt = getattr(torch, dtype)
+    lay = parallel.initialize(tp, 1, ep, etp)
+    try:
+        m = MegatronGLM(cfg, transformer_config(cfg, tp=tp, ep=ep, etp=etp, dtype=dt))
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        load_into(m, blob["hf"], tp=tp, ep=ep, etp=etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank, etp_rank=etp_rank)
+        m.to(device=device)
+        # Megatron refuses MoE training under tp > 1 without sequence parallelism (not built here): tp > 1 compares
+        # in eval mode, which changes nothing in this model's arithmetic (no dropout; only the expert-load counters)
+        m.train(tp == 1)
+        ids = blob["ids"].to(device)
+        n_global = ids.shape[0] * (ids.shape[1] - 1)
+        rows = ids if ep == 1 else ids[lay.ep_rank :: ep]  # expert parallelism: each rank its own rows
+        loss, lg, mlg = step_loss(m, rows, n_global, blob["mtp_w"], blob["indexer"])
+        loss.backward()
+        torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "loss": loss.item(), "logits": lg.cpu(),
+                    "mtp_logits": None if mlg is None else mlg.cpu(), "grads": megatron_grads(m),
+                    "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        parallel.destroy()
+
+
+def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor, *, tp: int = 1, ep: int = 1,
+               etp: int = 1, device: str = "cpu", dtype: str = "float32", mtp_w: float = 0.3,
+               indexer: bool = False) -> dict:
+    """Run `rank_worker` on tp·ep fresh processes; returns the joined loss, logits and HF-named gradients.
+    `etp`: the experts' tensor-parallel size. Without sequence parallelism (not built) the tokens are replicated
+    over the tp ranks, so the experts must be too (etp = 1): with etp = tp Megatron's dispatcher gathers every token
+    once per tp rank and the expert gradients come out tp times too large."""
+    from trainers.backends import free_port
+
+    world = tp * ep
+    out_dir = tempfile.mkdtemp(prefix="temper-mcore-")
+    try:
+        payload = str(Path(out_dir) / "payload.pt")
+        torch.save({"cfg": cfg.model_dump(), "hf": hf, "ids": ids, "mtp_w": mtp_w, "indexer": indexer}, payload)
+        torch.multiprocessing.spawn(rank_worker, args=(world, free_port(), tp, ep, etp, payload, out_dir, device, dtype),
+                                    nprocs=world, join=True)
+        res = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    shards, weights = {}, {}
+    for r in res:
+        shards.setdefault(r["key"], r["grads"])
+        weights.setdefault(r["key"], r["weights"])
+    if ep > 1:  # dense gradients: each rank holds its rows' share; the experts' already cover every row
+        for name in shards[(0, 0, 0)]:
+            if ".local_experts." not in name:
+                total = sum(s[name] for s in shards.values())
+                for s in shards.values():
+                    s[name] = total
+    if ep > 1:
+        logits = torch.cat([r["logits"] for r in res], 0)  # rank r holds rows r, r + ep, ...
+        order = torch.cat([torch.arange(ids.shape[0])[r::ep] for r in range(ep)])
+        logits = logits[order.argsort()]
+        mtp = None if res[0]["mtp_logits"] is None else torch.cat([r["mtp_logits"] for r in res], 0)[order.argsort()]
+        loss = sum(r["loss"] for r in res)
+    else:
+        logits, mtp, loss = res[0]["logits"], res[0]["mtp_logits"], res[0]["loss"]
+    return {"loss": loss, "logits": logits, "mtp_logits": mtp, "world": world,
+            "grads": from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp, rtol=1e-4),
+            "weights": from_megatron(weights, cfg, tp=tp, ep=ep, etp=etp)}
