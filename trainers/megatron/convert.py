@@ -112,10 +112,11 @@ def _join(kind: str, parts: list[torch.Tensor], name: str = "", rtol: float = 0.
     if kind == REP:
         for r, p in enumerate(parts[1:], 1):
             if not torch.equal(p, parts[0]):
-                d = (p.float() - parts[0].float()).abs().max().item()
-                if d <= rtol * parts[0].float().abs().max().item():
+                d, top = (p.float() - parts[0].float()).abs().max().item(), parts[0].float().abs().max().item()
+                if d <= rtol * top:
                     continue
-                raise ValueError(f"{name}: replicated tensor differs between tp ranks 0 and {r} (max |diff| {d:.3g} of {parts[0].float().abs().max().item():.3g})")
+                raise ValueError(f"{name}: replicated tensor differs between tp ranks 0 and {r} "
+                                 f"(max |diff| {d:.3g} of {top:.3g})")
         return [parts[0]]
     if kind in (COL, VOCAB):
         return [torch.cat(parts, 0)]

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model.config import ModelConfig
 from model.checkpoint import to_hf_state
+from model.config import ModelConfig
 from model.losses import indexer_kl_loss
 
 from .convert import from_megatron, load_into, megatron_state
@@ -44,7 +44,7 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
     """A temper Transformer's gradients under HF names (zeros where none; buffers left out)."""
     g = copy.deepcopy(model)
     with torch.no_grad():
-        for (n, p), (_, q) in zip(model.named_parameters(), g.named_parameters()):
+        for p, q in zip(model.parameters(), g.parameters()):
             q.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
     return dict(to_hf_state(g))
 

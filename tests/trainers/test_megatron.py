@@ -1,0 +1,257 @@
+"""The Megatron-core backend on the CPU (gloo): config mapping, HF ↔ Megatron converters, and the Megatron-built
+model against temper's torch model on the same weights (logits, MTP, loss, every gradient; 1 rank, TP = 2 and
+EP = 2 in spawned ranks), plus one LM and one SAO trainer step."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+import configs
+from model import Transformer
+from model.checkpoint import to_hf_state
+from rollout.types import Segment, Trajectory
+from trainers.config import SAOConfig, TrainConfig
+from trainers.lm import LMTrainer
+from trainers.megatron.convert import from_megatron, to_megatron
+from trainers.megatron.mapping import MegatronMappingError, megatron_args, model_config_from_megatron
+from trainers.sao import SAOTrainer
+
+
+def _model(cfg=None, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(cfg or configs.load("tiny").model)
+    with torch.no_grad():  # a non-zero expert bias, so a dropped or misplaced bias shows
+        for moe in m.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0, 0.01)
+    return m
+
+
+def _hf(m: Transformer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in to_hf_state(m)}
+
+
+# ---- mapping ------------------------------------------------------------------------------------------
+def test_mapping_names_and_round_trip():
+    cfg = configs.load("tiny").model
+    a = megatron_args(cfg)
+    assert (a["dsa_indexer_topk_freq"], a["dsa_indexer_skip_topk_offset"]) == (4, 1)  # tiny: [full, shared ×3]
+    assert a["mtp_num_layers"] == 1 and a["moe_layer_freq"] == [0, 1, 1, 1]
+    assert a["moe_router_score_function"] == "sigmoid" and a["moe_router_enable_expert_bias"]
+    assert a["moe_router_topk_scaling_factor"] == 2.5 and a["moe_shared_expert_intermediate_size"] == 128
+    assert a["qk_head_dim"] == 32 and a["qk_pos_emb_head_dim"] == 16 and a["dsa_indexer_scoring_relu"] is True
+    grouped = cfg.model_copy(update={"n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4})
+    g = megatron_args(ModelConfigCheck(grouped))
+    assert (g["moe_router_num_groups"], g["moe_router_group_topk"]) == (4, 2)
+    for c in (cfg, cfg.model_copy(update={"index_score_relu": False, "mtp_input": "post_norm"})):
+        back = model_config_from_megatron(megatron_args(c), vocab_size=c.vocab_size, mtp_input=c.mtp_input,
+                                          mtp_draft_steps=c.mtp_draft_steps, pad_token_id=c.pad_token_id,
+                                          eos_token_id=c.eos_token_id)
+        assert back.layer_indexer_types() == c.layer_indexer_types()
+        assert back.rope_interleave_indexer == c.rope_interleave_indexer
+        skip = {"indexer_types", "index_share_freq", "index_share_offset", "indexer_rope_interleave"}
+        assert {k: v for k, v in back.model_dump().items() if k not in skip} == \
+               {k: v for k, v in c.model_dump().items() if k not in skip}
+    # Megatron's GLM-5 setting: ReLU off, MTP reads the post-norm state
+    m = model_config_from_megatron({**a, "dsa_indexer_scoring_relu": False}, vocab_size=272)
+    assert m.index_score_relu is False and m.mtp_input == "post_norm"
+
+
+def ModelConfigCheck(c):
+    """Validate a model_copy'd config (model_copy skips validation)."""
+    return type(c)(**c.model_dump())
+
+
+@pytest.mark.parametrize("update,key", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"n_routed_experts": 16, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 4}, "n_group"),
+    ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),
+])
+def test_mapping_refuses_what_megatron_cannot_express(update, key):
+    cfg = ModelConfigCheck(configs.load("tiny").model.model_copy(update=update))
+    with pytest.raises(MegatronMappingError, match=f"^{key}:"):
+        megatron_args(cfg)
+
+
+# ---- converters -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (1, 4, 1), (2, 4, 2)])
+def test_convert_round_trip_is_bit_exact(tp, ep, etp):
+    cfg = configs.load("tiny").model
+    hf = _hf(_model(cfg))
+    shards = {(t, e, k): to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, tp_rank=t, ep_rank=e, etp_rank=k)
+              for t in range(tp) for e in range(ep) for k in range(etp)}
+    back = from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp)
+    assert set(back) == set(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_convert_shard_layout_by_hand():
+    cfg = configs.load("tiny").model
+    hf = _hf(_model(cfg))
+    H, d = cfg.num_attention_heads, cfg.qk_head_dim
+    s = to_megatron(hf, cfg, tp=2, ep=4, etp=2, tp_rank=1, ep_rank=2, etp_rank=1)
+    a = "decoder.layers.0.self_attention."
+    # rank 1 of 2 holds heads 2 and 3 of q_b_proj and of kv_b_proj, and their input columns of o_proj
+    assert torch.equal(s[a + "q_b_proj.weight"], hf["model.layers.0.self_attn.q_b_proj.weight"][H // 2 * d:])
+    kvd = cfg.qk_nope_head_dim + cfg.v_head_dim
+    assert torch.equal(s[a + "kv_b_proj.weight"], hf["model.layers.0.self_attn.kv_b_proj.weight"][H // 2 * kvd:])
+    assert torch.equal(s[a + "o_proj.weight"],
+                       hf["model.layers.0.self_attn.o_proj.weight"][:, H // 2 * cfg.v_head_dim:])
+    hi = cfg.index_n_heads // 2 * cfg.index_head_dim
+    assert torch.equal(s[a + "indexer.wq_b.weight"], hf["model.layers.0.self_attn.indexer.wq_b.weight"][hi:])
+    assert torch.equal(s[a + "q_a_proj.weight"], hf["model.layers.0.self_attn.q_a_proj.weight"])  # replicated
+    # gated MLP: fc1 = [gate half; up half] of this rank, not a plain row split
+    i = cfg.intermediate_size // 2
+    fc1 = s["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([hf["model.layers.0.mlp.gate_proj.weight"][i:],
+                                       hf["model.layers.0.mlp.up_proj.weight"][i:]]))
+    # 8 experts over ep = 4: ep rank 2 holds experts 4 and 5; local 1 = expert 5, etp rank 1 its second halves
+    mi = cfg.moe_intermediate_size // 2
+    e5 = "model.layers.1.mlp.experts.5."
+    assert torch.equal(s["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"],
+                       torch.cat([hf[e5 + "gate_proj.weight"][mi:], hf[e5 + "up_proj.weight"][mi:]]))
+    assert torch.equal(s["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
+                       hf[e5 + "down_proj.weight"][:, mi:])
+    assert torch.equal(s["mtp_layers.0.eh_proj.weight"], hf["model.layers.4.eh_proj.weight"][cfg.hidden_size // 2:])
+
+
+def test_convert_errors_name_the_tensor():
+    cfg = configs.load("tiny").model
+    hf = _hf(_model(cfg))
+    shards = {(t, 0, t): to_megatron(hf, cfg, tp=2, tp_rank=t, etp_rank=t) for t in range(2)}
+    shards[(1, 0, 1)] = dict(shards[(1, 0, 1)])
+    shards[(1, 0, 1)]["norm.weight"] = shards[(1, 0, 1)]["norm.weight"] + 1e-3
+    with pytest.raises(ValueError, match="^norm.weight: replicated tensor differs"):
+        from_megatron(shards, cfg, tp=2)
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not split over 3"):
+        to_megatron(hf, cfg, tp=3)
+    del hf["model.layers.2.self_attn.kv_b_proj.weight"]
+    with pytest.raises(KeyError, match="model.layers.2.self_attn.kv_b_proj.weight"):
+        to_megatron(hf, cfg)
+
+
+# ---- the Megatron-built model vs temper's torch model ------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from model.losses import indexer_kl_loss  # noqa: F401
+    from trainers.megatron.parity import hf_grads, step_loss
+
+    cfg = configs.load("tiny").model
+    ref = _model(cfg)
+    ids = torch.randint(0, 256, (4, 90), generator=torch.Generator().manual_seed(1))
+    # the sparse path matters on these rows: 90 keys > index_topk = 64, one indexer for four layers
+    out = ref.run(ids)
+    assert out.indexer_calls == [0]
+    assert _rel(ref.run(ids, dense=True).logits, out.logits) > 1e-3
+    loss, lg, mlg = step_loss(ref, ids, ids.shape[0] * (ids.shape[1] - 1), indexer=True)
+    loss.backward()
+    return cfg, _hf(ref), ids, loss.item(), lg, mlg, hf_grads(ref)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)])
+def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep):
+    from trainers.megatron.parity import run_layout
+
+    cfg, hf, ids, loss, lg, mlg, grads = reference
+    r = run_layout(cfg, hf, ids, tp=tp, ep=ep, indexer=True)
+    assert r["world"] == tp * ep
+    assert abs(r["loss"] - loss) <= 1e-5 * abs(loss)
+    assert _rel(r["logits"], lg) <= 1e-5 and _rel(r["mtp_logits"], mlg) <= 1e-5
+    assert set(r["grads"]) == set(grads)
+    for k, g in grads.items():
+        if k.endswith("e_score_correction_bias"):
+            continue  # a buffer: no gradient
+        assert _rel(r["grads"][k], g) <= 1e-4, k
+    for k in hf:  # the weights each rank loaded join back to the originals
+        assert torch.equal(r["weights"][k], hf[k].float()), k
+
+
+@pytest.fixture
+def megatron_rank():
+    from trainers.megatron import parallel
+
+    parallel.initialize(1, 1, 1)
+    yield
+    parallel.destroy()
+
+
+def _megatron_copy(ref: Transformer):
+    from trainers.megatron.convert import load_into
+    from trainers.megatron.model import MegatronGLM, transformer_config
+
+    m = MegatronGLM(ref.config, transformer_config(ref.config))
+    load_into(m, _hf(ref))
+    return m
+
+
+def _joined(m) -> dict[str, torch.Tensor]:
+    from trainers.megatron.convert import megatron_state
+
+    return from_megatron({(0, 0, 0): megatron_state(m)}, m.config)
+
+
+def test_lm_trainer_step_is_the_same_on_megatron(megatron_rank):
+    ref = _model()
+    mg = _megatron_copy(ref)
+    tc = TrainConfig(lr=1e-3, warmup_steps=0, mtp_loss_weight=0.3, router_bias_rate=1e-2)
+    ids = torch.randint(0, 256, (4, 80), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    before = _hf(ref)
+    a, b = LMTrainer(ref, tc).step(ids, mask), LMTrainer(mg, tc).step(ids, mask)
+    assert abs(a.loss - b.loss) <= 1e-5 * a.loss and abs(a.mtp_loss - b.mtp_loss) <= 1e-5 * a.mtp_loss
+    assert abs(a.indexer_loss - b.indexer_loss) <= 1e-4 * max(a.indexer_loss, 1e-6)
+    after, joined = _hf(ref), _joined(mg)
+    moved = 0
+    for k in after:
+        assert _step_rel(joined[k], after[k], before[k]) <= 1e-2, k
+        moved += not torch.equal(after[k], before[k])
+    assert moved > len(after) // 2  # the step moved the weights (and the router biases, by the same rule)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(after[bias], before[bias]) and torch.equal(joined[bias], after[bias])
+
+
+def _step_rel(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> float:
+    """How far one optimizer step's update differs, as a fraction of the update (L2). Adam's first step moves every
+    weight by ~lr·sign(g): a gradient within rounding of zero may flip an element, so compare whole updates."""
+    du = want.float() - before.float()
+    return float((got.float() - want.float()).norm() / du.norm().clamp_min(1e-30)) if du.any() else \
+        float((got.float() - want.float()).abs().max())
+
+
+def _traj(rng: random.Random, reward: float) -> Trajectory:
+    toks = [rng.randrange(256) for _ in range(40)]
+    mask = [0] * 16 + [1] * 24
+    return Trajectory("t", f"e{reward}", "f", "math", "h", "v", 0,
+                      [Segment(toks, mask, [-math.log(272) if m else 0.0 for m in mask], [0 if m else -1 for m in mask])],
+                      reward, "completed")
+
+
+def test_sao_step_is_the_same_on_megatron(megatron_rank):
+    ref = _model()
+    mg = _megatron_copy(ref)
+    rng = random.Random(3)
+    trajs = [_traj(rng, r) for r in (1.0, 0.0, 1.0, 0.0)]
+    sc = SAOConfig(lr=1e-3, critic_updates=1, micro_rows=2)
+    ta, tb = SAOTrainer(ref, sc), SAOTrainer(mg, sc)
+    # the critic is a deep copy of the actor with its attention frozen, on either backend
+    frozen = [p for attn in tb.critic.body.attention_modules() for p in attn.parameters()]
+    assert frozen and not any(p.requires_grad for p in frozen)
+    assert tb.critic.body.state is not mg.state
+    before = _hf(ref)
+    sa, sb = ta.step(copy.deepcopy(trajs), 0), tb.step(copy.deepcopy(trajs), 0)
+    assert sa["updated"] and sb["updated"], (sorted(sa.items()), sorted(sb.items()))
+    assert abs(sa["value_loss"] - sb["value_loss"]) <= 1e-4 * sa["value_loss"]
+    assert abs(sa["grad_norm"] - sb["grad_norm"]) <= 1e-4 * sa["grad_norm"]
+    after, joined = _hf(ref), _joined(mg)
+    for k in after:
+        assert _step_rel(joined[k], after[k], before[k]) <= 1e-2, k
