@@ -148,23 +148,33 @@ def reference():
 
     cfg = configs.load("tiny").model
     ref = _model(cfg)
-    ids = torch.randint(0, 256, (4, 90), generator=torch.Generator().manual_seed(1))
-    # the sparse path matters on these rows: 90 keys > index_topk = 64, one indexer for four layers
+    # 91 tokens: an odd length, so sequence parallelism over 2 ranks pads (and must mask the padding out of the
+    # routers' expert-load counts). The sparse path matters on these rows: 91 keys > index_topk = 64, one indexer
+    # for four layers
+    ids = torch.randint(0, 256, (4, 91), generator=torch.Generator().manual_seed(1))
     out = ref.run(ids)
     assert out.indexer_calls == [0]
     assert _rel(ref.run(ids, dense=True).logits, out.logits) > 1e-3
+    for m in ref.moe_layers():
+        m.expert_load.zero_()
     loss, lg, mlg = step_loss(ref, ids, ids.shape[0] * (ids.shape[1] - 1), indexer=True)
     loss.backward()
-    return cfg, _hf(ref), ids, loss.item(), lg, mlg, hf_grads(ref)
+    loads = [m.expert_load.clone() for m in ref.moe_layers()]
+    return cfg, _hf(ref), ids, loss.item(), lg, mlg, hf_grads(ref), loads
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)])
-def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep):
+@pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (2, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1)])
+def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep, etp):
+    """TP = 2 is sequence parallel (experts split over the tp ranks, or whole on each and summed over them); EP = 2
+    splits the 8 experts over two data-parallel ranks, each with its own rows; TP = EP = 2 is four ranks."""
     from trainers.megatron.parity import run_layout
 
-    cfg, hf, ids, loss, lg, mlg, grads = reference
-    r = run_layout(cfg, hf, ids, tp=tp, ep=ep, indexer=True)
+    cfg, hf, ids, loss, lg, mlg, grads, loads = reference
+    r = run_layout(cfg, hf, ids, tp=tp, ep=ep, etp=etp, indexer=True)
     assert r["world"] == tp * ep
+    assert len(r["expert_loads"]) == len(loads)  # every token routed once per layer, the padding not counted
+    for got, want in zip(r["expert_loads"], loads):
+        assert torch.equal(got.float(), want.float())
     assert abs(r["loss"] - loss) <= 1e-5 * abs(loss)
     assert _rel(r["logits"], lg) <= 1e-5 and _rel(r["mtp_logits"], mlg) <= 1e-5
     assert set(r["grads"]) == set(grads)

@@ -150,12 +150,12 @@ def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1, e
 def from_megatron(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], cfg: ModelConfig, *, tp: int = 1,
                   ep: int = 1, etp: int | None = None, rtol: float = 0.0) -> dict[str, torch.Tensor]:
     """Join every rank's shard (keyed by (tp_rank, ep_rank, etp_rank)) into the HF state dict. Dense tensors are read
-    from ep rank 0's shards (one per tp rank), experts from one shard per (ep rank, etp rank); replicated tensors
+    from one shard per tp rank, experts from one shard per (ep rank, etp rank); replicated tensors
     must agree across the tp ranks: bit for bit (weights), or within `rtol` of their largest entry (gradients, whose
     all-reduce may sum in a different order on each rank)."""
     etp = tp if etp is None else etp
     _check(cfg, tp, ep, etp)
-    dense = {k[0]: v for k, v in sorted(shards.items(), reverse=True) if k[1] == 0}  # tp rank → a shard of ep rank 0
+    dense = {k[0]: v for k, v in sorted(shards.items(), reverse=True)}  # tp rank → its shard of lowest ep rank
     expert = {(k[1], k[2]): v for k, v in sorted(shards.items(), reverse=True)}  # (ep, etp) rank → a shard
     missing = [r for r in range(tp) if r not in dense] + [k for k in
                                                           ((e, t) for e in range(ep) for t in range(etp)) if k not in expert]

@@ -61,7 +61,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
                        dtype: torch.dtype = torch.float32, dispatcher: str | None = None, **overrides: Any):
     """Megatron's MLATransformerConfig for `cfg` on a (tp, pp, ep) layout. Keys the installed Megatron does not
     know (the DSA fields before 0.19) are left out: the attention core is temper's and reads them from `cfg`.
-    `dispatcher`: Megatron's MoE token dispatcher; None: "alltoall" with CUDA, else "allgather" (the all-to-all
+    With tp > 1 the layout is sequence parallel (Megatron requires it for MoE under tensor parallelism: without it
+    every tp rank would dispatch the same tokens). `dispatcher`: Megatron's MoE token dispatcher; None: "alltoall" with CUDA, else "allgather" (the all-to-all
     dispatcher allocates CUDA streams)."""
     dispatcher = dispatcher or ("alltoall" if torch.cuda.is_available() else "allgather")
     _, _, _, MLATransformerConfig, *_ = _mcore()
@@ -74,7 +75,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False, pipeline_dtype=dtype,
         use_cpu_initialization=True, perform_initialization=True, init_method_std=cfg.initializer_range,
         activation_func=F.silu, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
-        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False, num_query_groups=cfg.num_attention_heads,
+        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=tp > 1, num_query_groups=cfg.num_attention_heads,
     )
     args.update(overrides)
     return MLATransformerConfig(**args)
@@ -112,8 +113,8 @@ class MegatronMLA(MLA):
         L = model_cfg.num_hidden_layers
         itype = model_cfg.layer_indexer_types()[idx] if idx < L else ("full" if model_cfg.use_dsa else "none")
         super().__init__(local, idx, itype)
-        self.tp, self.state = tp, state
-        mc = config
+        self.tp, self.state, self.sp = tp, state, bool(config.sequence_parallel)
+        mc = _no_sp(config)  # the attention works on the whole sequence: its linears do no sequence-parallel comms
 
         def col(n_in, n_out):
             return _Column(n_in, n_out, config=mc, init_method=mc.init_method, bias=False, gather_output=False,
@@ -143,10 +144,17 @@ class MegatronMLA(MLA):
         return self.tp > 1
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_: Any):
-        st = self.state
-        out, sel = MLA.forward(self, hidden_states.transpose(0, 1), st.ctx, st.sel)
+        """hidden_states [S, B, h] ([S/tp, B, h] sequence parallel) → ([S(/tp), B, h], None)."""
+        st, tpl = self.state, _mcore()[1]
+        x = hidden_states
+        if self.sp:  # the whole sequence; its gradient is complete on every rank (the _FanOut points), so split it back
+            x = tpl.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        out, sel = MLA.forward(self, x.transpose(0, 1), st.ctx, st.sel)
         st.sel = sel  # IndexShare: the next layer reads its leader's selection from here
-        return out.transpose(0, 1), None
+        out = out.transpose(0, 1)
+        if self.sp:  # o_proj all-reduced the heads: keep this rank's sequence chunk
+            out = tpl.scatter_to_sequence_parallel_region(out)
+        return out, None
 
 
 def _tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -206,11 +214,22 @@ def _Row(*a, **kw):
     return _linear_classes()[1](*a, **kw)
 
 
+def _no_sp(config):
+    """A copy of Megatron's config with sequence parallelism off (for modules that see the whole sequence)."""
+    c = copy.copy(config)
+    c.sequence_parallel = False
+    return c
+
+
 class _Norm(RMSNorm):
-    """temper's RMSNorm (kernels.rms_norm) with Megatron's norm constructor (config, hidden_size, eps)."""
+    """temper's RMSNorm (kernels.rms_norm) with Megatron's norm constructor (config, hidden_size, eps). Inside a
+    sequence-parallel layer it sees one chunk of the sequence: its weight is marked `sequence_parallel`, and the
+    backend sums such gradients over the tp ranks (as Megatron's finalize_model_grads does)."""
 
     def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-5):
         super().__init__(hidden_size, eps)
+        if config is not None and config.sequence_parallel:
+            self.weight.sequence_parallel = True
 
 
 class MTPBlock(nn.Module):
@@ -221,8 +240,8 @@ class MTPBlock(nn.Module):
         *_, build_module, _ = _mcore()
         self.enorm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hnorm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.eh_proj = _Column(2 * cfg.hidden_size, cfg.hidden_size, config=mcfg, init_method=mcfg.init_method,
-                               bias=False, gather_output=True)
+        self.eh_proj = _Column(2 * cfg.hidden_size, cfg.hidden_size, config=_no_sp(mcfg),
+                               init_method=mcfg.init_method, bias=False, gather_output=True)
         self.layer = build_module(layer_spec, config=mcfg, layer_number=layer_number)
         self.shared_head_norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -247,10 +266,12 @@ class MegatronGLM(nn.Module):
             sub.self_attention = attn
             sub.input_layernorm = sub.pre_mlp_layernorm = norm
         self.embed_tokens = tpl.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=mcfg.init_method,
-                                                       config=mcfg)
+                                                       config=_no_sp(mcfg))
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.sp = bool(mcfg.sequence_parallel)
         self.decoder = TransformerBlock(mcfg, block, post_layer_norm=False)
         self.norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = _Column(cfg.hidden_size, cfg.vocab_size, config=mcfg, init_method=mcfg.init_method,
+        self.lm_head = _Column(cfg.hidden_size, cfg.vocab_size, config=_no_sp(mcfg), init_method=mcfg.init_method,
                                bias=False, gather_output=True)
         moe_spec = block.layer_specs[-1]
         if not cfg.is_moe_layer(cfg.num_hidden_layers - 1):
@@ -259,6 +280,16 @@ class MegatronGLM(nn.Module):
         self.mtp_layers = nn.ModuleList(MTPBlock(cfg, mcfg, moe_spec, L + j + 1)
                                         for j in range(cfg.num_nextn_predict_layers))
         self.rotary = Rotary(cfg)
+        for m in self.moe_layers():
+            m.router.register_forward_hook(self._uncount_padding)
+
+    def _uncount_padding(self, router, args, out) -> None:
+        """The routers count every token they route (Megatron 0.16's padding_mask for the count is broken); take the
+        sequence-parallel padding's routes back out, so the loads the bias update sees are the real tokens'."""
+        start = self.state.extra.get("pad_from")
+        if start is not None and router.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                router.local_tokens_per_expert -= out[1][start:].sum(0).to(router.local_tokens_per_expert.dtype)
 
     # ---- the Transformer interface the trainers use ------------------------------------------------
     def _context(self, b: int, t: int, device, dtype, **kw) -> AttnContext:
@@ -274,17 +305,40 @@ class MegatronGLM(nn.Module):
         if unsupported:
             raise TypeError(f"MegatronGLM.run is a training forward (no KV cache): {', '.join(unsupported)} unsupported")
         b, t = input_ids.shape
-        x = self.embed_tokens(input_ids)
-        ctx = self._context(b, t, x.device, x.dtype, dense=dense, impl=impl,
+        pad = -t % self.tp if self.sp else 0  # sequence parallel: the length must split over the tp ranks
+        ids = F.pad(input_ids, (0, pad)) if pad else input_ids
+        x = self.embed_tokens(ids)
+        ctx = self._context(b, t + pad, x.device, x.dtype, dense=dense, impl=impl,
                             collect=[] if collect_indexer else None, detach_indexer_input=detach_indexer_input)
-        self.state.ctx, self.state.sel = ctx, None
-        try:
-            h = self.decoder(x.transpose(0, 1).contiguous(), attention_mask=None)
-        finally:
-            self.state.ctx = self.state.sel = None
-        h = h.transpose(0, 1)
+        h = self._blocks(lambda z, **kw: self.decoder(z, attention_mask=None, **kw), x, ctx, t)
+        if pad:  # causal: no real position attends the padding; the statistics keep the real queries and keys
+            for e in ctx.collect or []:
+                for k in ("index_logits", "target", "sel"):
+                    if e[k] is not None:
+                        e[k] = e[k][:, :t, :t] if k != "sel" else e[k][:, :t]
         out = self.lm_head(self.norm(h)) if logits else h.new_empty(0)
         return ModelOutput(out, h, ctx.collect, ctx.indexer_calls)
+
+    def _blocks(self, fn, x: torch.Tensor, ctx: AttnContext, t: int) -> torch.Tensor:
+        """Run Megatron layers `fn` on x [B, T(+pad), h] → [B, t, h] (the first t positions): to [S, B, h], split over
+        the sequence-parallel ranks (padding taken out of the routers' expert-load counts) and gathered back."""
+        tpl = _mcore()[1]
+        b, tp_len = x.shape[:2]
+        z = x.transpose(0, 1).contiguous()
+        pad_from = None
+        if self.sp:
+            z = tpl.scatter_to_sequence_parallel_region(z)
+            if tp_len > t:  # this chunk's tokens flattened [S/tp, B]: the padding is the tail from row pad_from
+                n = tp_len // self.tp
+                pad_from = max(0, t - _mcore()[0].get_tensor_model_parallel_rank() * n) * b
+        self.state.ctx, self.state.sel, self.state.extra["pad_from"] = ctx, None, pad_from
+        try:
+            h = fn(z)
+        finally:
+            self.state.ctx = self.state.sel = self.state.extra["pad_from"] = None
+        if self.sp:  # what follows is replicated with complete gradients: the backward keeps this rank's chunk
+            h = tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
+        return h.transpose(0, 1)[:, :t]
 
     def forward(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
         return self.run(input_ids, **kw).logits
@@ -299,12 +353,12 @@ class MegatronGLM(nn.Module):
         if step == 0 and self.config.mtp_input == "post_norm":
             hidden = self.norm(hidden)
         b, t = next_ids.shape
+        pad = -t % self.tp if self.sp else 0
+        if pad:
+            next_ids, hidden = F.pad(next_ids, (0, pad)), F.pad(hidden, (0, 0, 0, pad))
         x = m.eh_proj(torch.cat([m.enorm(self.embed_tokens(next_ids)), m.hnorm(hidden)], -1))
-        self.state.ctx, self.state.sel = self._context(b, t, hidden.device, hidden.dtype, impl=impl), None
-        try:
-            h = m.layer(x.transpose(0, 1).contiguous(), attention_mask=None)[0].transpose(0, 1)
-        finally:
-            self.state.ctx = self.state.sel = None
+        ctx = self._context(b, t + pad, hidden.device, hidden.dtype, impl=impl)
+        h = self._blocks(lambda z, **kw: m.layer(z, attention_mask=None, **kw)[0], x, ctx, t)
         return self.lm_head(m.shared_head_norm(h)), h
 
     def attention_modules(self) -> list[nn.Module]:
@@ -319,6 +373,41 @@ class MegatronGLM(nn.Module):
     def expert_loads(self) -> list[torch.Tensor]:
         """Tokens routed to each expert since the last `update_router_bias`, one tensor per MoE layer."""
         return [m.router.local_tokens_per_expert for m in self.moe_layers()]
+
+    @torch.no_grad()
+    def finish_backward(self, average: bool = True) -> None:
+        """Make every rank's gradients the step's gradients (what Megatron's DDP and finalize_model_grads do):
+
+        * a weight that saw one sequence-parallel chunk (the layers' norms, the routers) is summed over the tp ranks;
+        * dense weights are summed over the data-parallel group, routed experts over the expert-data-parallel group
+          (the ranks holding the same expert shard; the dispatcher already brought every ep rank's tokens);
+        * `average`: divided by the data-parallel size (each rank's loss a mean over its own rows); otherwise the
+          losses are shares of one global sum.
+        The routers' expert-load counts are summed over the tp and data-parallel ranks, so the bias update after the
+        step sees the global load and keeps the biases identical everywhere."""
+        import torch.distributed as dist
+
+        ps = _mcore()[0]
+        tp_g, dp_g, edp_g = (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                             ps.get_expert_data_parallel_group())
+        dp = ps.get_data_parallel_world_size()
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.contiguous()
+            if self.sp and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=tp_g)
+            group = edp_g if ".local_experts." in name else dp_g
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(g, group=group)
+            if average and dp > 1:
+                g /= dp
+            p.grad = g
+        for m in self.moe_layers():
+            c = m.router.local_tokens_per_expert
+            for group in (tp_g if self.sp else None, dp_g):
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(c, group=group)
 
     @torch.no_grad()
     def update_router_bias(self, rate: float = 1e-3) -> None:

@@ -5,8 +5,11 @@ On a machine without CUDA (the CPU CI, the gloo tests) two shims let Megatron-co
 * a few constructors ask `torch.cuda.current_device()` for a device (the router's buffers); without CUDA it answers
   "cpu" instead of raising;
 * `moe_utils` refers to Transformer Engine's `te_general_gemm` without defining it when TE is absent (a
-  NameError in the router's gating); it is defined as None, which selects Megatron's own torch path.
-Neither changes anything on a CUDA machine with Transformer Engine.
+  NameError in the router's gating); it is defined as None, which selects Megatron's own torch path;
+* the model-parallel RNG tracker (which sequence-parallel blocks enter) keeps CUDA generator states; on the CPU it is
+  a tracker whose `fork` changes nothing (this model has no dropout, so no random draw happens inside it).
+None of them changes anything on a CUDA machine with Transformer Engine; there `initialize` seeds Megatron's CUDA
+RNG tracker (`model_parallel_cuda_manual_seed`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,18 @@ def apply_shims() -> None:
     if not hasattr(mu, "te_general_gemm"):
         mu.te_general_gemm = None
     if not torch.cuda.is_available():
+        import contextlib
+
+        import megatron.core.tensor_parallel.random as mr
+
         torch.cuda.current_device = lambda: "cpu"
+
+        class _CPUTracker(mr.CudaRNGStatesTracker):
+            def fork(self, name: str = "model-parallel-rng"):  # noqa: D102
+                return contextlib.nullcontext()
+
+        mr._CUDA_RNG_STATE_TRACKER = _CPUTracker()
+        mr._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ class Layout:
 
 
 def initialize(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *, backend: str | None = None,
-               timeout_s: float = 600.0) -> Layout:
+               timeout_s: float = 600.0, seed: int = 0) -> Layout:
     """Join the default process group (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment, a
     1-rank group on 127.0.0.1 if unset) and initialise Megatron's model-parallel groups. Idempotent per layout."""
     from megatron.core import parallel_state as ps
@@ -73,6 +87,10 @@ def initialize(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *,
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        if torch.cuda.is_available():
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
     return Layout(rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, ep=ep, etp=etp,
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                   ep_rank=ps.get_expert_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())

@@ -77,16 +77,15 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
         etp_rank = ps.get_expert_tensor_parallel_rank()
         load_into(m, blob["hf"], tp=tp, ep=ep, etp=etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank, etp_rank=etp_rank)
         m.to(device=device)
-        # Megatron refuses MoE training under tp > 1 without sequence parallelism (not built here): tp > 1 compares
-        # in eval mode, which changes nothing in this model's arithmetic (no dropout; only the expert-load counters)
-        m.train(tp == 1)
+        m.train()
         ids = blob["ids"].to(device)
         n_global = ids.shape[0] * (ids.shape[1] - 1)
-        rows = ids if ep == 1 else ids[lay.ep_rank :: ep]  # expert parallelism: each rank its own rows
+        rows = ids[lay.dp_rank :: lay.dp]  # data parallelism (the ep ranks of a tp = 1 layout): each rank its rows
         loss, lg, mlg = step_loss(m, rows, n_global, blob["mtp_w"], blob["indexer"])
         loss.backward()
-        torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "loss": loss.item(), "logits": lg.cpu(),
-                    "mtp_logits": None if mlg is None else mlg.cpu(), "grads": megatron_grads(m),
+        m.finish_backward(average=False)  # the losses are shares of one global sum
+        torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "dp": (lay.dp_rank, lay.dp), "loss": loss.item(), "logits": lg.cpu(),
+                    "mtp_logits": None if mlg is None else mlg.cpu(), "grads": megatron_grads(m), "loads": [c.clone().cpu() for c in m.expert_loads()],
                     "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -94,15 +93,14 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
 
 
 def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor, *, tp: int = 1, ep: int = 1,
-               etp: int = 1, device: str = "cpu", dtype: str = "float32", mtp_w: float = 0.3,
+               etp: int | None = None, device: str = "cpu", dtype: str = "float32", mtp_w: float = 0.3,
                indexer: bool = False) -> dict:
     """Run `rank_worker` on tp·ep fresh processes; returns the joined loss, logits and HF-named gradients.
-    `etp`: the experts' tensor-parallel size. Without sequence parallelism (not built) the tokens are replicated
-    over the tp ranks, so the experts must be too (etp = 1): with etp = tp Megatron's dispatcher gathers every token
-    once per tp rank and the expert gradients come out tp times too large."""
+    `etp`: the experts' tensor-parallel size (None: tp, Megatron's default)."""
     from trainers.backends import free_port
 
     world = tp * ep
+    etp = tp if etp is None else etp
     out_dir = tempfile.mkdtemp(prefix="temper-mcore-")
     try:
         payload = str(Path(out_dir) / "payload.pt")
@@ -116,20 +114,17 @@ def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor,
     for r in res:
         shards.setdefault(r["key"], r["grads"])
         weights.setdefault(r["key"], r["weights"])
-    if ep > 1:  # dense gradients: each rank holds its rows' share; the experts' already cover every row
-        for name in shards[(0, 0, 0)]:
-            if ".local_experts." not in name:
-                total = sum(s[name] for s in shards.values())
-                for s in shards.values():
-                    s[name] = total
-    if ep > 1:
-        logits = torch.cat([r["logits"] for r in res], 0)  # rank r holds rows r, r + ep, ...
-        order = torch.cat([torch.arange(ids.shape[0])[r::ep] for r in range(ep)])
+    dp = res[0]["dp"][1]
+    if dp > 1:
+        res = sorted((r for r in res if r["key"][0] == 0), key=lambda r: r["dp"][0])  # one rank per dp rank
+        logits = torch.cat([r["logits"] for r in res], 0)  # dp rank r holds rows r, r + dp, ...
+        order = torch.cat([torch.arange(ids.shape[0])[r::dp] for r in range(dp)])
         logits = logits[order.argsort()]
         mtp = None if res[0]["mtp_logits"] is None else torch.cat([r["mtp_logits"] for r in res], 0)[order.argsort()]
         loss = sum(r["loss"] for r in res)
+        loads = res[0]["loads"]
     else:
-        logits, mtp, loss = res[0]["logits"], res[0]["mtp_logits"], res[0]["loss"]
-    return {"loss": loss, "logits": logits, "mtp_logits": mtp, "world": world,
-            "grads": from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp, rtol=1e-4),
+        logits, mtp, loss, loads = res[0]["logits"], res[0]["mtp_logits"], res[0]["loss"], res[0]["loads"]
+    return {"loss": loss, "logits": logits, "mtp_logits": mtp, "world": world, "expert_loads": loads,
+            "grads": from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp, rtol=1e-4),  # each shard: the step's gradient
             "weights": from_megatron(weights, cfg, tp=tp, ep=ep, etp=etp)}
