@@ -82,6 +82,11 @@ class TrainBackend(ABC):
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a total L2 norm of `max_norm`; returns the norm before clipping. A backend whose
+        ranks hold different shards of the model (Megatron) computes the norm over the whole model."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
 
 class TorchBackend(TrainBackend):
     """One process: plain autograd, reductions are no-ops."""

@@ -100,7 +100,7 @@ class LMTrainer:
         self.opt.zero_grad(set_to_none=True)
         total.backward()
         self.backend.all_reduce_grads(m)
-        gn = torch.nn.utils.clip_grad_norm_(m.parameters(), c.grad_clip)
+        gn = self.backend.clip_grad_norm(m, c.grad_clip)
         self.opt.step()
         if c.router_bias_rate > 0:
             m.update_router_bias(c.router_bias_rate)

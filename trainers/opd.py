@@ -21,8 +21,13 @@ from .sao import Mismatch, layout
 
 
 class OPDTrainer:
-    def __init__(self, student: Transformer, teachers, cfg: OPDConfig | None = None):
-        """`teachers`: a `trainers.teachers.TeacherPool` (or anything with `score_batches(batches, fn)`)."""
+    def __init__(self, student: Transformer, teachers, cfg: OPDConfig | None = None, backend=None):
+        """`teachers`: a `trainers.teachers.TeacherPool` (or anything with `score_batches(batches, fn)`).
+        `backend`: the training runtime (trainers/backends.py); every rank trains on the whole batch, so a
+        data-parallel layout repeats the work and a model-parallel one (Megatron) splits it."""
+        from .backends import TorchBackend
+
+        self.backend = backend or TorchBackend()
         self.student, self.teachers, self.cfg = student, teachers, cfg or OPDConfig()
         self.lcfg = LossConfig(kind="opd", eps_low=1 - self.cfg.band_low, eps_high=self.cfg.band_high - 1)
         self.opt = torch.optim.AdamW(student.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -66,11 +71,12 @@ class OPDTrainer:
                 rkl += float(((lp.detach() - tlp) * rows.mask).sum())
                 for k, v in st.items():
                     agg[k] = agg.get(k, 0.0) + v * share
-            gn = torch.nn.utils.clip_grad_norm_(self.student.parameters(), self.cfg.grad_clip)
+            self.backend.all_reduce_grads(self.student)
+            gn = self.backend.clip_grad_norm(self.student, self.cfg.grad_clip)
             if epoch == 0:  # reverse KL, band and mismatch of the batch as the student generated it
                 first = {**agg, **mm.stats(), "reverse_kl": rkl / n, "grad_norm": float(gn)}
             else:
                 first["reverse_kl_last"] = rkl / n
-            self.opt.step()
+            self.backend.step(self.opt)
         self.steps += 1
         return {**first, "tokens": float(n), "trajectories": len(trajs), "reward_mean": mean_r, "step": self.steps}

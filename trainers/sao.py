@@ -210,7 +210,7 @@ class SAOTrainer:
             loss.backward()
             total += loss.item()
         self.backend.all_reduce_grads(self.critic)
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.grad_clip)
+        self.backend.clip_grad_norm(self.critic, self.cfg.grad_clip)
         self.copt.step()
         return total
 
@@ -277,7 +277,7 @@ class SAOTrainer:
                 for k, v in st.items():
                     agg[k] = agg.get(k, 0.0) + v * float(share)
             self.backend.all_reduce_grads(self.actor)
-            gn = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.grad_clip)
+            gn = self.backend.clip_grad_norm(self.actor, self.cfg.grad_clip)
             if epoch == 0:  # the batch as the engines generated it: mismatch, entropy and band before any update
                 stats.update(agg)
                 stats.update(mm.stats())

@@ -182,8 +182,11 @@ def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep, etp):
         if k.endswith("e_score_correction_bias"):
             continue  # a buffer: no gradient
         assert _rel(r["grads"][k], g) <= 1e-4, k
-    for k in hf:  # the weights each rank loaded join back to the originals
+    for k in hf:  # the weights each rank loaded join back to the originals, and export to the engines' layout
         assert torch.equal(r["weights"][k], hf[k].float()), k
+        assert torch.equal(r["exported"][k], hf[k].float()), k
+    norm = sum(g.double().pow(2).sum() for k, g in grads.items() if not k.endswith("e_score_correction_bias")).sqrt()
+    assert abs(r["grad_norm"] - float(norm)) <= 1e-5 * float(norm)  # the clip norm covers every shard once
 
 
 @pytest.fixture

@@ -62,8 +62,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
     """Megatron's MLATransformerConfig for `cfg` on a (tp, pp, ep) layout. Keys the installed Megatron does not
     know (the DSA fields before 0.19) are left out: the attention core is temper's and reads them from `cfg`.
     With tp > 1 the layout is sequence parallel (Megatron requires it for MoE under tensor parallelism: without it
-    every tp rank would dispatch the same tokens). `dispatcher`: Megatron's MoE token dispatcher; None: "alltoall" with CUDA, else "allgather" (the all-to-all
-    dispatcher allocates CUDA streams)."""
+    every tp rank would dispatch the same tokens). `dispatcher`: Megatron's MoE token dispatcher; None: "alltoall"
+    with CUDA, else "allgather" (the all-to-all dispatcher allocates CUDA streams)."""
     dispatcher = dispatcher or ("alltoall" if torch.cuda.is_available() else "allgather")
     _, _, _, MLATransformerConfig, *_ = _mcore()
     args = megatron_args(cfg)

@@ -21,7 +21,7 @@ from model.checkpoint import to_hf_state
 from model.config import ModelConfig
 from model.losses import indexer_kl_loss
 
-from .convert import from_megatron, load_into, megatron_state
+from .convert import from_megatron, megatron_state
 
 
 def step_loss(model, ids: torch.Tensor, n_global: int, mtp_w: float = 0.3, indexer: bool = False):
@@ -65,31 +65,36 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
         torch.cuda.set_device(rank)
     from megatron.core import parallel_state as ps
 
-    from . import parallel
-    from .model import MegatronGLM, transformer_config
+    from model import Transformer
+    from model.checkpoint import from_hf_state
+
+    from .backend import MegatronBackend
 
     blob = torch.load(payload, weights_only=False)
     cfg = ModelConfig(**blob["cfg"])
-    dt = getattr(torch, dtype)
-    lay = parallel.initialize(tp, 1, ep, etp)
+    be = MegatronBackend(tp, 1, ep, etp, dtype=getattr(torch, dtype))
     try:
-        m = MegatronGLM(cfg, transformer_config(cfg, tp=tp, ep=ep, etp=etp, dtype=dt))
-        etp_rank = ps.get_expert_tensor_parallel_rank()
-        load_into(m, blob["hf"], tp=tp, ep=ep, etp=etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank, etp_rank=etp_rank)
-        m.to(device=device)
+        ref = Transformer(cfg)
+        ref.load_state_dict(from_hf_state(cfg, blob["hf"]), strict=False)
+        m = be.wrap(ref)  # this rank's shard
         m.train()
-        ids = blob["ids"].to(device)
+        lay = be.layout
+        ids = blob["ids"].to(be.device)
         n_global = ids.shape[0] * (ids.shape[1] - 1)
-        rows = ids[lay.dp_rank :: lay.dp]  # data parallelism (the ep ranks of a tp = 1 layout): each rank its rows
+        rows = ids[be.rank :: be.world_size]  # data parallelism (the ep ranks of a tp = 1 layout): each rank its rows
         loss, lg, mlg = step_loss(m, rows, n_global, blob["mtp_w"], blob["indexer"])
         loss.backward()
         m.finish_backward(average=False)  # the losses are shares of one global sum
-        torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "dp": (lay.dp_rank, lay.dp), "loss": loss.item(), "logits": lg.cpu(),
-                    "mtp_logits": None if mlg is None else mlg.cpu(), "grads": megatron_grads(m), "loads": [c.clone().cpu() for c in m.expert_loads()],
-                    "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}},
+        norm = be.clip_grad_norm(m, float("inf"))
+        exported = {k: v.float() for k, v in to_hf_state(be.export(m))}  # the gathered weights, as the engines get them
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "dp": (be.rank, be.world_size), "loss": loss.item(),
+                    "logits": lg.cpu(), "mtp_logits": None if mlg is None else mlg.cpu(), "grad_norm": float(norm),
+                    "grads": megatron_grads(m), "loads": [c.clone().cpu() for c in m.expert_loads()],
+                    "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}, "exported": exported},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
-        parallel.destroy()
+        be.close()
 
 
 def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor, *, tp: int = 1, ep: int = 1,
@@ -126,5 +131,6 @@ def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor,
     else:
         logits, mtp, loss, loads = res[0]["logits"], res[0]["mtp_logits"], res[0]["loss"], res[0]["loads"]
     return {"loss": loss, "logits": logits, "mtp_logits": mtp, "world": world, "expert_loads": loads,
+            "grad_norm": res[0]["grad_norm"], "exported": res[0]["exported"],
             "grads": from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp, rtol=1e-4),  # each shard: the step's gradient
             "weights": from_megatron(weights, cfg, tp=tp, ep=ep, etp=etp)}
