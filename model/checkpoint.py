@@ -33,7 +33,11 @@ FP32_KEYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 # ---- name mapping ------------------------------------------------------------------------------------
 def to_hf_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) for every persistent tensor of the model."""
+    """Yield (hf_name, tensor) for every persistent tensor of the model (a model kept in another layout, such as
+    the Megatron trainer's, gives its own `hf_state()`)."""
+    if hasattr(model, "hf_state"):
+        yield from model.hf_state().items()
+        return
     L = model.config.num_hidden_layers
     for name, t in model.state_dict().items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":

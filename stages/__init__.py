@@ -237,7 +237,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, Transformer, save_checkpoint
-    from trainers.backends import TorchBackend
+    from trainers.backends import make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.lm import LMTrainer, train_lm
     from trainers.sft import oracle_trajectories, sft_batches
@@ -259,7 +259,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     if cfg.trainer.world_size > 1 and train_backend is None:
         return under_torchrun("warm_start", cfg, {"envs": envs, "out": out, "parent_checkpoint": None}, out, log,
                               metrics)
-    dp = train_backend or TorchBackend()
+    dp = train_backend or make_train_backend(cfg.trainer)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     losses: list[float] = []
     start = 0
@@ -288,10 +288,11 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
             log(f"SFT step {trainer.step_no}/{cfg.train.max_steps}: loss {st.loss:.4f}")
 
     train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
-    ranks = _rank_checksums(dp, model, "SFT")
+    final = dp.export(model)  # temper's model (gathered from the shards on a Megatron backend)
+    ranks = _rank_checksums(dp, final, "SFT")
     if not dp.is_main:
         return {}
-    save_checkpoint(model, out / "checkpoint", policy_version=WARM_VERSION)
+    save_checkpoint(final, out / "checkpoint", policy_version=WARM_VERSION)
     return {**ranks, "checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft",
             "sft_steps": len(losses), "resumed_from_step": start, "curves": {"sft_loss": losses}}
 
@@ -479,7 +480,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
-    from trainers.backends import TorchBackend
+    from trainers.backends import make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state
     from trainers.loop import RLLoop
 
@@ -490,13 +491,14 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
         return {"checkpoint": checkpoint, "steps": 0, "domain": domain, "resumed_from_step": 0,
                 "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward}
-    dp = train_backend or TorchBackend()
+    dp = train_backend or make_train_backend(cfg.trainer)
     main = dp.is_main
     model = dp.wrap(load_checkpoint(checkpoint))
     torch.manual_seed(cfg.seed)
     state = load_training_state(out / "state") if complete_checkpoints(out / "state") else None
     # rank 0 alone talks to engines and to the store; the other ranks get every batch from it
-    backend = _backend(cfg, model, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}") \
+    served = dp.export(model)  # what the engines get: temper's model
+    backend = _backend(cfg, served, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}") \
         if main else None
     rec = Recorder(store_path if main else None)
     warm = _read_warm(store_path, iteration, domain, warm_rollouts) if state is None and main else []
@@ -528,11 +530,12 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     finally:
         if backend is not None:
             backend.close()
-    ranks = _rank_checksums(dp, model, f"{domain} expert")
+    final = dp.export(model)
+    ranks = _rank_checksums(dp, final, f"{domain} expert")
     if not main:
         return {}
     rec.flush(loop.consumption)
-    save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
+    save_checkpoint(final, out / "checkpoint", policy_version=loop.version)
     return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
             "updates": sum(1 for h in hist if h.get("updated")),
@@ -592,6 +595,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
     from rollout.agent import Agent, run_episodes
+    from trainers.backends import make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.opd import OPDTrainer
     from trainers.teachers import TeacherPool
@@ -602,7 +606,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
                 "skipped": "no domain experts (every domain was skipped)"}
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
-    student = load_checkpoint(init)
+    dp = make_train_backend(cfg.trainer)
+    student = dp.wrap(load_checkpoint(init))
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts and s.id not in set(quarantine or ())]
     if teacher_urls:
         from rollout.backend import ServerTeacherPool
@@ -610,14 +615,14 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         pool = ServerTeacherPool(experts, teacher_urls)
     else:
         pool = TeacherPool(experts, max_resident=1)
-    trainer = OPDTrainer(student, pool, cfg.opd)
+    trainer = OPDTrainer(student, pool, cfg.opd, backend=dp)
     start, hist = 0, []
     if complete_checkpoints(out / "state"):
         state = restore(load_training_state(out / "state"), student, trainer.opt)
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")
     version = 1 + start  # the student's policy version on the engines: one per OPD step
-    backend = _backend(cfg, student, tok, out, urls, router_url, version=version, name="opd")
+    backend = _backend(cfg, dp.export(student), tok, out, urls, router_url, version=version, name="opd")
     rec, consumption = Recorder(store_path), []
     if start:
         dropped = rec.repair("opd", start)
@@ -645,7 +650,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
             metrics({k: hist[-1][k] for k in ("reverse_kl", "clip_frac", "reward_mean") if k in hist[-1]}, len(hist) - 1)
             version += 1
-            backend.push(student, version)
+            backend.push(dp.export(student), version)
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:
                 rec.flush(consumption)  # the store first, as in sao_expert
                 save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1, policy_version=2,
@@ -655,7 +660,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     finally:
         backend.close()
         pool.close()
-    save_checkpoint(student, out / "checkpoint", policy_version=2)
+    save_checkpoint(dp.export(student), out / "checkpoint", policy_version=2)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "resumed_from_step": start,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,

@@ -23,19 +23,14 @@ def _emit(kind: str, payload) -> None:
 
 
 def main(spec_path: str) -> int:
-    import torch
-
     import stages
     from configs import IterationConfig
-    from trainers.backends import DDPBackend
+    from trainers.backends import make_train_backend
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = IterationConfig.model_validate(spec["config"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    kind = cfg.trainer.dist_backend
-    if kind == "auto":
-        kind = "nccl" if torch.cuda.is_available() else "gloo"
-    dp = DDPBackend(rank, world, backend=kind, timeout_s=cfg.trainer.timeout_s)
+    dp = make_train_backend(cfg.trainer, rank, world)
     main_rank = dp.is_main
     kwargs = {k: (Path(v) if k in PATH_ARGS and v is not None else v) for k, v in spec["kwargs"].items()}
     try:

@@ -82,6 +82,14 @@ class TrainBackend(ABC):
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
+    def close(self) -> None:  # noqa: B027 - optional: most backends have nothing to leave
+        """Leave whatever process groups this backend joined."""
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """temper's `Transformer` with the trained weights: what weight pushes and checkpoints take. A collective
+        where ranks hold shards (every rank must call it); here the model itself."""
+        return model
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total L2 norm of `max_norm`; returns the norm before clipping. A backend whose
         ranks hold different shards of the model (Megatron) computes the norm over the whole model."""
@@ -209,6 +217,23 @@ def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     if cur:
         out.append(cur)
     return out
+
+
+def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
+    """The training runtime a `TrainerConfig` names: one process (`TorchBackend`), torch data parallelism over
+    `world_size` ranks (`DDPBackend`), or Megatron-core (`trainers.megatron.backend.MegatronBackend`)."""
+    import torch as _torch
+
+    kind = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if _torch.cuda.is_available() else "gloo")
+    if cfg.kind == "megatron":
+        from trainers.megatron.backend import MegatronBackend
+
+        m = cfg.megatron
+        return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
+                               timeout_s=cfg.timeout_s)
+    if world_size > 1:
+        return DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s)
+    return TorchBackend()
 
 
 # ---- launching ---------------------------------------------------------------------------------------

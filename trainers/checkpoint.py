@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from model import Transformer, load_checkpoint, save_checkpoint
-from model.checkpoint import replace_dir
+from model.checkpoint import replace_dir, to_hf_state
 
 FORMAT = 1
 LATEST = "latest"
@@ -264,7 +264,10 @@ def restore(
     if saved.config.model_copy(update={"dtype": policy.config.dtype}) != policy.config:  # dtype: see save
         raise ValueError(f"{state.policy_path}: the checkpoint's model config differs from the policy's")
     with torch.no_grad():
-        policy.load_state_dict(saved.state_dict(), strict=True)
+        if hasattr(policy, "load_hf"):  # a model kept in another layout (trainers/megatron)
+            policy.load_hf(dict(to_hf_state(saved)))
+        else:
+            policy.load_state_dict(saved.state_dict(), strict=True)
     for name, obj, sd in (("optimizer", optimizer, state.optimizer), ("critic", critic, state.critic),
                           ("critic_optimizer", critic_optimizer, state.critic_optimizer)):
         if obj is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainConfig(BaseModel):
@@ -95,16 +95,49 @@ class CurriculumStage(BaseModel):
     patterns: list[str] = Field(min_length=1)
 
 
-class TrainerConfig(BaseModel):
-    """The trainer's process layout in the pipeline. `world_size > 1`: a training stage re-launches itself under
-    `torchrun` with that many ranks (data parallel through `DDPBackend`: gloo on CPU, nccl on GPU); rank 0 drives
-    the rollout backend and hands every batch to the others, and all ranks end each step with the same weights."""
+class MegatronConfig(BaseModel):
+    """The Megatron-core layout of `trainer.kind: megatron` (trainers/megatron): tensor parallel `tp` (sequence
+    parallel when > 1), expert parallel `ep`, expert tensor parallel `etp` (None: tp). The data-parallel size is
+    world_size / tp. Pipeline parallelism is not built (pp = 1)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    tp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    etp: int | None = Field(default=None, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class TrainerConfig(BaseModel):
+    """The trainer's process layout in the pipeline. `world_size > 1`: a training stage re-launches itself under
+    `torchrun` with that many ranks (data parallel through `DDPBackend`: gloo on CPU, nccl on GPU); rank 0 drives
+    the rollout backend and hands every batch to the others, and all ranks end each step with the same weights.
+    `kind: megatron`: the same trainers on a Megatron-core model (`MegatronBackend`, layout in `megatron`); the
+    engines still get temper's model, gathered from the shards at every weight push."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["torch", "megatron"] = "torch"
     world_size: int = Field(default=1, ge=1)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is available, else gloo
     timeout_s: float = Field(default=600.0, gt=0)  # a collective that waits longer fails the stage loudly
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+
+    @model_validator(mode="after")
+    def _layout(self) -> TrainerConfig:
+        if self.kind != "megatron":
+            return self
+        m, w = self.megatron, self.world_size
+        etp = m.etp or m.tp
+        if w % m.tp:
+            raise ValueError(f"trainer.megatron.tp: {m.tp} does not divide trainer.world_size={w}")
+        if w % (m.ep * etp):
+            raise ValueError(f"trainer.megatron.ep: ep·etp = {m.ep * etp} does not divide trainer.world_size={w}")
+        if w > 1:
+            raise ValueError("trainer.world_size: the pipeline's Megatron stages run one rank for now (the training "
+                             "state is saved whole by rank 0; per-rank shards are not built); multi-rank Megatron "
+                             "layouts run in bench/megatron_gpu.py and the tests")
+        return self
 
 
 class BaseConfig(BaseModel):

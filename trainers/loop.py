@@ -63,7 +63,7 @@ class RLLoop:
         self.version, self.iteration = version, iteration
         self._own_backend = backend is None and self.dp.is_main
         if self.dp.is_main:
-            self.backend = backend or InProcessBackend(actor, tok, n_slots=self.cfg.n_slots,
+            self.backend = backend or InProcessBackend(self.dp.export(actor), tok, n_slots=self.cfg.n_slots,
                                                        max_len=agent_cfg.max_context + 8, version=version)
         else:
             self.backend = None  # the trainer ranks other than 0 never talk to engines
@@ -96,9 +96,10 @@ class RLLoop:
     def push_weights(self) -> dict:
         """WeightSync: every engine serves the actor as the next version (checked there), or this raises."""
         self.version += 1
+        served = self.dp.export(self.actor)  # temper's model; on a sharded backend a collective of every rank
         if self.backend is None:  # not rank 0: rank 0 pushes the (identical) weights
             return {"version": self.version}
-        rec = self.backend.push(self.actor, self.version)
+        rec = self.backend.push(served, self.version)
         self.pushes.append(rec)
         return rec
 

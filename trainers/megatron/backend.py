@@ -56,7 +56,10 @@ class MegatronBackend(TrainBackend):
             return model
         cfg, lay = model.config, self.layout
         hf = {k: v.detach().to("cpu", torch.float32) for k, v in to_hf_state(model)}
-        m = MegatronGLM(cfg, transformer_config(cfg, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, dtype=self.dtype))
+        # every tensor is loaded below: no initialisation, and the caller's RNG streams are left as they were
+        with torch.random.fork_rng(devices=[]):
+            m = MegatronGLM(cfg, transformer_config(cfg, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp,
+                                                    dtype=self.dtype, perform_initialization=False))
         load_into(m, hf, tp=lay.tp, ep=lay.ep, etp=lay.etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank,
                   etp_rank=ps.get_expert_tensor_parallel_rank())
         return m.to(self.device)

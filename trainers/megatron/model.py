@@ -39,6 +39,7 @@ from model.config import ModelConfig
 from model.layers import RMSNorm, Rotary
 from model.transformer import IMPLS, ModelOutput
 
+from .convert import from_megatron, load_into, megatron_state
 from .mapping import megatron_args
 
 
@@ -360,6 +361,20 @@ class MegatronGLM(nn.Module):
         ctx = self._context(b, t + pad, hidden.device, hidden.dtype, impl=impl)
         h = self._blocks(lambda z, **kw: m.layer(z, attention_mask=None, **kw)[0], x, ctx, t)
         return self.lm_head(m.shared_head_norm(h)), h
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The weights in HF layout (what `save_checkpoint` writes). One rank holds everything only when the model
+        is not split; a sharded model is gathered by `MegatronBackend.export`, a collective."""
+        if _mcore()[0].get_model_parallel_group().size() > 1 or _mcore()[0].get_expert_model_parallel_world_size() > 1:
+            raise RuntimeError("MegatronGLM.hf_state: this rank holds a shard; gather with MegatronBackend.export")
+        return from_megatron({(0, 0, 0): megatron_state(self)}, self.config)
+
+    def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load this rank's shard of an HF-layout state (restoring a training checkpoint)."""
+        ps = _mcore()[0]
+        load_into(self, hf, tp=self.mcfg.tensor_model_parallel_size, ep=self.mcfg.expert_model_parallel_size,
+                  etp=self.mcfg.expert_tensor_parallel_size, tp_rank=ps.get_tensor_model_parallel_rank(),
+                  ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank())
 
     def attention_modules(self) -> list[nn.Module]:
         return [layer.self_attention for layer in self.decoder.layers]
