@@ -2,7 +2,6 @@
 unchanged on the Megatron-core backend, the engines are served temper's model gathered from it, and each stage
 ends where the torch backend ends on the same data."""
 
-import shutil
 
 import pytest
 import torch
