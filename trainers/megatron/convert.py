@@ -28,6 +28,12 @@ from model.config import ModelConfig
 REP, COL, ROW, GLU, VOCAB = "rep", "col", "row", "glu", "vocab"
 
 
+def _same(hf: str, mg: str, items: list[tuple[str, str]]) -> Iterator[tuple[tuple[str, ...], str, str]]:
+    """Rules for tensors named alike under the two prefixes."""
+    for name, kind in items:
+        yield (hf + name,), mg + name, kind
+
+
 def _rules(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, str]]:
     """(HF names, Megatron name, kind) for every non-expert tensor of the model."""
     L = cfg.num_hidden_layers
@@ -40,31 +46,19 @@ def _rules(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, str]]:
         mg = f"decoder.layers.{i}." if i < L else f"mtp_layers.{i - L}.layer."
         if i >= L:
             top = f"mtp_layers.{i - L}."
-            yield (hf + "enorm.weight",), top + "enorm.weight", REP
-            yield (hf + "hnorm.weight",), top + "hnorm.weight", REP
-            yield (hf + "eh_proj.weight",), top + "eh_proj.weight", COL
+            yield from _same(hf, top, [("enorm.weight", REP), ("hnorm.weight", REP), ("eh_proj.weight", COL)])
             yield (hf + "shared_head.norm.weight",), top + "shared_head_norm.weight", REP
         yield (hf + "input_layernorm.weight",), mg + "input_layernorm.weight", REP
         yield (hf + "post_attention_layernorm.weight",), mg + "pre_mlp_layernorm.weight", REP
-        a, ma = hf + "self_attn.", mg + "self_attention."
-        if cfg.q_lora_rank:
-            yield (a + "q_a_proj.weight",), ma + "q_a_proj.weight", REP
-            yield (a + "q_a_layernorm.weight",), ma + "q_a_layernorm.weight", REP
-            yield (a + "q_b_proj.weight",), ma + "q_b_proj.weight", COL
-        else:
-            yield (a + "q_proj.weight",), ma + "q_proj.weight", COL
-        yield (a + "kv_a_proj_with_mqa.weight",), ma + "kv_a_proj_with_mqa.weight", REP
-        yield (a + "kv_a_layernorm.weight",), ma + "kv_a_layernorm.weight", REP
-        yield (a + "kv_b_proj.weight",), ma + "kv_b_proj.weight", COL
-        yield (a + "o_proj.weight",), ma + "o_proj.weight", ROW
-        full = types[i] == "full" if i < L else cfg.use_dsa
-        if full:
-            ix, mx = a + "indexer.", ma + "indexer."
-            yield (ix + "wq_b.weight",), mx + "wq_b.weight", COL
-            yield (ix + "wk.weight",), mx + "wk.weight", REP
-            yield (ix + "k_norm.weight",), mx + "k_norm.weight", REP
-            yield (ix + "k_norm.bias",), mx + "k_norm.bias", REP
-            yield (ix + "weights_proj.weight",), mx + "weights_proj.weight", COL
+        a, ma = hf + "self_attn.", mg + "self_attention."  # temper's MLA: the same names on both sides
+        q = [("q_a_proj.weight", REP), ("q_a_layernorm.weight", REP), ("q_b_proj.weight", COL)] \
+            if cfg.q_lora_rank else [("q_proj.weight", COL)]
+        yield from _same(a, ma, [*q, ("kv_a_proj_with_mqa.weight", REP), ("kv_a_layernorm.weight", REP),
+                                 ("kv_b_proj.weight", COL), ("o_proj.weight", ROW)])
+        if (types[i] == "full") if i < L else cfg.use_dsa:
+            yield from _same(a + "indexer.", ma + "indexer.", [
+                ("wq_b.weight", COL), ("wk.weight", REP), ("k_norm.weight", REP), ("k_norm.bias", REP),
+                ("weights_proj.weight", COL)])
         m, mm = hf + "mlp.", mg + "mlp."
         if i < L and not cfg.is_moe_layer(i):
             yield (m + "gate_proj.weight", m + "up_proj.weight"), mm + "linear_fc1.weight", GLU

@@ -37,7 +37,7 @@ from torch import nn
 from model.attention import MLA, AttnContext
 from model.config import ModelConfig
 from model.layers import RMSNorm, Rotary
-from model.transformer import IMPLS, ModelOutput
+from model.transformer import ModelOutput, Transformer
 
 from .convert import from_megatron, load_into, megatron_state
 from .mapping import megatron_args
@@ -294,11 +294,8 @@ class MegatronGLM(nn.Module):
 
     # ---- the Transformer interface the trainers use ------------------------------------------------
     def _context(self, b: int, t: int, device, dtype, **kw) -> AttnContext:
-        if kw.get("impl", "auto") not in IMPLS:
-            raise ValueError(f"impl: {kw['impl']!r} is not one of {', '.join(IMPLS)}")
-        ar = torch.arange(t, device=device)
-        cos, sin = self.rotary(ar, dtype)
-        return AttnContext(cos=cos.expand(b, t, -1), sin=sin.expand(b, t, -1), qpos=ar.expand(b, t), **kw)
+        """The whole-sequence context (no cache), as temper's Transformer builds it (it reads only `self.rotary`)."""
+        return Transformer._context(self, b, t, device, dtype, None, None, None, mtp=False, **kw)[0]
 
     def run(self, input_ids: torch.Tensor, *, dense: bool = False, impl: str = "auto",
             collect_indexer: bool = False, detach_indexer_input: bool = False, logits: bool = True,
