@@ -215,6 +215,26 @@ def _Row(*a, **kw):
     return _linear_classes()[1](*a, **kw)
 
 
+def _mark_tp_shards(model: nn.Module) -> None:
+    """Mark each parallel linear's and the vocab embedding's weight `tensor_model_parallel` where it holds a slice.
+    Megatron sets the mark only inside its initialisers, which `perform_initialization=False` (the backend loads
+    every tensor) skips; the model-wide clip norm and Megatron's own duplicate test read it."""
+    _, tpl, *_ = _mcore()
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if w is None:
+            continue
+        if isinstance(mod, tpl.ColumnParallelLinear):
+            split, dim = mod.output_size_per_partition != mod.output_size, 0
+        elif isinstance(mod, tpl.RowParallelLinear):
+            split, dim = mod.input_size_per_partition != mod.input_size, 1
+        elif isinstance(mod, tpl.VocabParallelEmbedding):
+            split, dim = mod.num_embeddings_per_partition != mod.num_embeddings, 0
+        else:
+            continue
+        w.tensor_model_parallel, w.partition_dim, w.partition_stride = split, dim if split else -1, 1
+
+
 def _no_sp(config):
     """A copy of Megatron's config with sequence parallelism off (for modules that see the whole sequence)."""
     c = copy.copy(config)
@@ -283,6 +303,7 @@ class MegatronGLM(nn.Module):
         self.rotary = Rotary(cfg)
         for m in self.moe_layers():
             m.router.register_forward_hook(self._uncount_padding)
+        _mark_tp_shards(self)
 
     def _uncount_padding(self, router, args, out) -> None:
         """The routers count every token they route (Megatron 0.16's padding_mask for the count is broken); take the
