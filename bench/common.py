@@ -33,7 +33,7 @@ def table(title: str, header: list[str], rows: list[list[object]]) -> None:
         t.add_column(h, justify="right")
     for r in rows:
         t.add_row(*[f"{x:,.3f}" if isinstance(x, float) else str(x) for x in r])
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)  # piped output: no wrapping at 80 columns
 
 
 def threads() -> int:
