@@ -20,3 +20,18 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
     assert res["decode"]["batch1"]["temper_eager_tok_s"] > 0
     assert res["parity"]["torch.float32"]["max_abs_logit"] == 0.0  # the same fp32 model on the same device
     assert res["parity"]["torch.bfloat16"]["max_abs_logit"] > 0.0
+
+
+def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
+    """bench/megatron_gpu.py --smoke: fp32 parity within its aim, one SAO step's gradients alike, TP = 2 in its child
+    process, and both backends timed."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench/megatron_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "megatron.json").read_text())
+    assert not [s for s in ("parity", "sao", "tp2", "speed") if "error" in res.get(s, {})], res
+    p = res["parity"]["float32"]
+    assert max(p["loss_rel"], p["logits_rel"], p["mtp_logits_rel"]) <= 1e-5 and p["grad_rel_max"] <= 1e-4
+    assert res["sao"]["fp32"]["updated"] and res["sao"]["fp32"]["grad_rel_max"] <= 1e-4
+    assert res["tp2"]["tp2 ep1"]["logits_rel"] <= 1e-5 and res["tp2"]["tp2 ep1"]["grad_rel_max"] <= 1e-4
+    assert res["speed"]["torch"]["fwd_bwd_tok_s"] > 0 and res["speed"]["megatron_over_torch"] > 0
