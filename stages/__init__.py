@@ -453,10 +453,27 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
     return None
 
 
+def constant_patterns(specs: list, warm: list, min_n: int) -> dict[str, float]:
+    """{pattern: reward} of the task patterns whose warm rollouts (at least `min_n` of them, none crashed) all earned
+    the same reward. Such a pattern carries no outcome signal: its reward is a function of the prompt's pattern,
+    which the critic learns, so its advantages are the critic's errors."""
+    from trainers.sft import pattern_key
+
+    if min_n <= 0:
+        return {}
+    key = {s.id: pattern_key(s) for s in specs}
+    by: dict[str, list[float]] = {}
+    for t in warm:
+        if t.env_id in key:
+            by.setdefault(key[t.env_id], []).append(t.reward if t.status == "completed" else float("nan"))
+    return {p: r[0] for p, r in sorted(by.items()) if len(r) >= min_n and len(set(r)) == 1 and r[0] == r[0]}
+
+
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet, metrics=_no_metrics,
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
                store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None,
-               quarantine: list[str] | None = None, train_backend=None) -> dict:
+               quarantine: list[str] | None = None, train_backend=None,
+               constant: dict[str, float] | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
@@ -469,15 +486,25 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     `trainer.world_size > 1`: the stage re-launches itself under torchrun (`under_torchrun`); rank 0 drives the
     rollouts, writes the store, the state and the checkpoint, and every rank trains on its share of each batch
-    (`train_backend`, given by `stages/ranks.py`). The result then records each rank's weights checksum."""
+    (`train_backend`, given by `stages/ranks.py`). The result then records each rank's weights checksum.
+
+    Task patterns whose warm rollouts all earned one reward (`constant_patterns`, `sao.constant_pattern_min`) are
+    left out of training: their environments are not rolled out and their warm rollouts are not trained on. They
+    are worked out once, before any torchrun re-launch (`constant`), so every rank drops the same ones."""
+    from envs.dataset import read_dataset
+    from trainers.sft import pattern_key
+
+    specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain and s.id not in set(quarantine or ())]
+    if constant is None:
+        constant = constant_patterns(specs, _read_warm(store_path, iteration, domain, warm_rollouts),
+                                     cfg.sao.constant_pattern_min)
     if cfg.trainer.world_size > 1 and train_backend is None:
         return under_torchrun("sao_expert", cfg, {
             "checkpoint": checkpoint, "envs": envs, "domain": domain, "out": out, "domain_reward": domain_reward,
             "urls": urls, "router_url": router_url, "store_path": store_path, "iteration": iteration,
-            "warm_rollouts": warm_rollouts, "quarantine": quarantine}, out, log, metrics)
+            "warm_rollouts": warm_rollouts, "quarantine": quarantine, "constant": constant}, out, log, metrics)
     import torch
 
-    from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
     from trainers.backends import make_train_backend
@@ -485,12 +512,20 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from trainers.loop import RLLoop
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain and s.id not in set(quarantine or ())]
+    kept = [s for s in specs if pattern_key(s) not in constant]
+    shown = ", ".join(f"{p}: {r:.2f}" for p, r in constant.items())
+    if constant:
+        log(f"{domain}: left out of training, every warm rollout earned one reward: {shown}")
     reason = skip_reason(cfg, domain, domain_reward) or (None if specs else f"{domain}: no admitted RL environments")
+    if not reason and specs and not kept:
+        reason = (f"{domain}: every task pattern's warm rollouts earned a single reward ({shown}): no outcome "
+                  f"signal within a pattern (sao.constant_pattern_min {cfg.sao.constant_pattern_min})")
+    specs = kept
     if reason or cfg.loop.steps == 0:
         log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
         return {"checkpoint": checkpoint, "steps": 0, "domain": domain, "resumed_from_step": 0,
-                "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward}
+                "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward,
+                "constant_patterns": constant}
     dp = train_backend or make_train_backend(cfg.trainer)
     main = dp.is_main
     model = dp.wrap(load_checkpoint(checkpoint))
@@ -501,7 +536,9 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     backend = _backend(cfg, served, tok, out, urls, router_url, version=WARM_VERSION, name=f"sao-{domain}") \
         if main else None
     rec = Recorder(store_path if main else None)
-    warm = _read_warm(store_path, iteration, domain, warm_rollouts) if state is None and main else []
+    ids = {s.id for s in specs}
+    warm = [t for t in _read_warm(store_path, iteration, domain, warm_rollouts) if t.env_id in ids] \
+        if state is None and main else []
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
                   on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp)
     hist: list[dict] = []
@@ -544,7 +581,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in SAO_CURVES},
             "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
             "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
-            "stored_consumption": rec.rows, "quarantined": sorted(quarantine or []), **_mismatch_summary(hist)}
+            "stored_consumption": rec.rows, "quarantined": sorted(quarantine or []), "constant_patterns": constant,
+            **_mismatch_summary(hist)}
 
 
 def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[str] | None) -> list:

@@ -53,6 +53,11 @@ class SAOConfig(BaseModel):
     # equal there is no outcome signal to learn from, only the critic's noise
     min_domain_reward: float = Field(default=0.02, ge=0, le=1)
     max_domain_reward: float = Field(default=0.98, ge=0, le=1)
+    # the same within a domain, per task pattern (DAPO's dynamic-sampling filter, with the pattern as the group): a
+    # pattern whose warm-start rollouts (at least this many) all earned one reward is left out of the expert's
+    # training, since the critic can read its outcome off the prompt; a domain left with no pattern gets no expert.
+    # 0: off
+    constant_pattern_min: int = Field(default=8, ge=0)
 
 
 class OPDConfig(BaseModel):

@@ -112,3 +112,42 @@ def test_the_miner_reads_rewarded_rollouts_and_quarantines_the_hacked_environmen
     sampled = stages.rewards(tmp_path / "s.duckdb", 1, ["t0", "t1", "t2"], rl_set_dir=str(tmp_path / "rl"),
                              mine_every=2)
     assert sampled["mined"] == 1 and sampled["quarantined"] == []  # t0 only (every 2nd of t0, t1)
+
+
+def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_path):
+    """DAPO's filter with the task pattern as the group: a pattern whose warm rollouts (≥ sao.constant_pattern_min)
+    all earned one reward gives no outcome signal; a domain made only of such patterns gets no expert."""
+    import pytest
+
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+    from rollout.types import Segment, Trajectory
+
+    specs = generate(["set-const?horizon=1", "set-const?horizon=2"], 20, 5)  # 10 of each, alternating
+    h1 = "set-const?horizon=1"
+
+    def traj(s, reward, status="completed"):
+        return Trajectory(f"r-{s.id}", s.id, s.family, s.domain, s.spec_hash, "v", 1,
+                          [Segment([1, 2], [0, 1], [0.0, -1.0], [-1, 1])], reward, status)
+
+    warm = [traj(s, 1.0 if s.knobs["horizon"] == 1 else 0.0) for s in specs]
+    assert stages.constant_patterns(specs, warm, 8) == {h1: 1.0, "set-const?horizon=2": 0.0}
+    assert stages.constant_patterns(specs, warm, 11) == {}  # 10 rollouts each: too few to call it
+    assert stages.constant_patterns(specs, warm, 0) == {}  # off
+    warm[1] = traj(specs[1], 1.0)  # one success among the two-constant edits: that pattern has signal
+    assert stages.constant_patterns(specs, warm, 8) == {h1: 1.0}
+    warm[0] = traj(specs[0], 0.0, "crashed")  # a crash is not a reward of 0
+    assert stages.constant_patterns(specs, warm, 8) == {}
+
+    cfg = configs.load("micro")
+    write_dataset(specs, tmp_path / "rl")
+    envs = {"train": None, "rl": str(tmp_path / "rl")}
+    both = {h1: 1.0, "set-const?horizon=2": 0.0}
+    out = stages.sao_expert(cfg, "/no/such/checkpoint", envs, "code", tmp_path / "x", domain_reward=0.5,
+                            constant=both)
+    assert out["steps"] == 0 and out["checkpoint"] == "/no/such/checkpoint"
+    assert "every task pattern's warm rollouts earned a single reward" in out["skipped"]
+    assert out["constant_patterns"] == both
+    with pytest.raises(FileNotFoundError):  # one pattern with signal left: the expert trains (loads its checkpoint)
+        stages.sao_expert(cfg, "/no/such/checkpoint", envs, "code", tmp_path / "y", domain_reward=0.5,
+                          constant={h1: 1.0})
