@@ -52,3 +52,33 @@ def reference_glm_config(**kw):
         indexer_types=["full", "shared", "shared", "shared"], max_position_embeddings=4096,
     )
     return GlmMoeDsaConfig(**{**base, **kw})
+
+
+class Figures:
+    """The figures of a device bench, rewritten to `<out>/<file>` after every record, so a run cut short keeps
+    what it measured."""
+
+    def __init__(self, file: str):
+        self.file, self.data, self.out = file, {}, None
+
+    def to(self, out: str | Path | None) -> None:
+        if out:
+            self.out = Path(out)
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    def record(self, section: str, key: str, value) -> None:
+        import json
+
+        self.data.setdefault(section, {})[key] = value
+        if self.out is not None:
+            (self.out / self.file).write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def md_table(title: str, header: list[str], rows: list[list]) -> None:
+    """A Markdown table on stdout (what the device benches print: it pastes into the README)."""
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(f"{x:,.3g}" if isinstance(x, float) else str(x) for x in r) + " |")
+    sys.stdout.flush()

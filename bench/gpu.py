@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
 
+from common import Figures, md_table  # noqa: E402
+
 import kernels  # noqa: E402
 from kernels import indexer as kix  # noqa: E402
 from kernels import mla as kmla  # noqa: E402
@@ -46,23 +47,10 @@ from kernels import norm as knorm  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H200 dense bf16
 PEAK_GBS = 4800.0  # H200 HBM3e
-RESULTS: dict = {}
-OUT: Path | None = None
-
-
-def record(section: str, key: str, value) -> None:
-    RESULTS.setdefault(section, {})[key] = value
-    if OUT is not None:
-        (OUT / "gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-
-
-def table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(f"{x:,.3g}" if isinstance(x, float) else str(x) for x in r) + " |")
-    sys.stdout.flush()
+FIGURES = Figures("gpu.json")
+RESULTS = FIGURES.data
+record = FIGURES.record
+table = md_table
 
 
 def sync(dev: torch.device) -> None:
@@ -426,16 +414,13 @@ def section_parity(dev, smoke: bool) -> None:
 
 
 def main() -> None:
-    global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy shapes on any device (checks the script)")
     ap.add_argument("--sections", nargs="+", default=["kernels", "model", "decode", "parity"],
                     choices=["kernels", "model", "decode", "parity"])
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    if args.out:
-        OUT = Path(args.out)
-        OUT.mkdir(parents=True, exist_ok=True)
+    FIGURES.to(args.out)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.smoke:
         sys.exit("bench/gpu.py needs a CUDA device (use --smoke to check it on the CPU)")

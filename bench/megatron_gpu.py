@@ -15,7 +15,7 @@ One script, ≤ 6 minutes on one H200. It prints tables and writes every figure 
 
 `--smoke` runs every section at toy shapes on the CPU (tested), so the script stays working without a GPU:
 
-    PYTHONPATH=<cp312 wheels dir>:. python bench/megatron_gpu.py --out $OUT        # bash bench/gpu_run.sh --megatron
+    PYTHONPATH=<cp312 wheels dir>:. python bench/megatron_gpu.py --out $OUT        # bash bench/gpu_run.sh megatron
 """
 
 from __future__ import annotations
@@ -31,24 +31,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import Figures, md_table  # noqa: E402
 
-RESULTS: dict = {}
-OUT: Path | None = None
-
-
-def record(section: str, key: str, value) -> None:
-    RESULTS.setdefault(section, {})[key] = value
-    if OUT is not None:
-        (OUT / "megatron.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-
-
-def table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in r) + " |")
-    sys.stdout.flush()
+FIGURES = Figures("megatron.json")
+RESULTS = FIGURES.data
+record = FIGURES.record
+table = md_table
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -250,7 +238,6 @@ def section_speed(dev, smoke: bool) -> None:
 
 
 def main() -> None:
-    global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (checks the script)")
     ap.add_argument("--sections", nargs="+", default=["parity", "sao", "tp2", "speed"],
@@ -261,9 +248,7 @@ def main() -> None:
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     if args.tp2_child:
         return tp2_child(args.smoke)
-    if args.out:
-        OUT = Path(args.out)
-        OUT.mkdir(parents=True, exist_ok=True)
+    FIGURES.to(args.out)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.smoke:
         sys.exit("bench/megatron_gpu.py needs a CUDA device (use --smoke to check it on the CPU)")

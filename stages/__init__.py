@@ -454,9 +454,10 @@ def skip_reason(cfg, domain: str, reward: float | None) -> str | None:
 
 
 def constant_patterns(specs: list, warm: list, min_n: int) -> dict[str, float]:
-    """{pattern: reward} of the task patterns whose warm rollouts (at least `min_n` of them, none crashed) all earned
-    the same reward. Such a pattern carries no outcome signal: its reward is a function of the prompt's pattern,
-    which the critic learns, so its advantages are the critic's errors."""
+    """{pattern: reward} of the task patterns whose warm rollouts (at least `min_n` of them) all earned the same
+    reward. Such a pattern carries no outcome signal: its reward is a function of the prompt's pattern, which the
+    critic learns, so its advantages are the critic's errors. A truncated episode counts with its reward (it ran
+    out of turns: a failure); a crashed or aborted one says nothing about the policy and is not counted."""
     from trainers.sft import pattern_key
 
     if min_n <= 0:
@@ -464,9 +465,9 @@ def constant_patterns(specs: list, warm: list, min_n: int) -> dict[str, float]:
     key = {s.id: pattern_key(s) for s in specs}
     by: dict[str, list[float]] = {}
     for t in warm:
-        if t.env_id in key:
-            by.setdefault(key[t.env_id], []).append(t.reward if t.status == "completed" else float("nan"))
-    return {p: r[0] for p, r in sorted(by.items()) if len(r) >= min_n and len(set(r)) == 1 and r[0] == r[0]}
+        if t.env_id in key and t.status not in ("crashed", "aborted"):
+            by.setdefault(key[t.env_id], []).append(t.reward)
+    return {p: r[0] for p, r in sorted(by.items()) if len(r) >= min_n and len(set(r)) == 1}
 
 
 def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_quiet, metrics=_no_metrics,

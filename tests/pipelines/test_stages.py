@@ -136,8 +136,10 @@ def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_pat
     assert stages.constant_patterns(specs, warm, 0) == {}  # off
     warm[1] = traj(specs[1], 1.0)  # one success among the two-constant edits: that pattern has signal
     assert stages.constant_patterns(specs, warm, 8) == {h1: 1.0}
-    warm[0] = traj(specs[0], 0.0, "crashed")  # a crash is not a reward of 0
-    assert stages.constant_patterns(specs, warm, 8) == {}
+    warm[0] = traj(specs[0], 0.0, "crashed")  # a crash says nothing of the policy: not counted (9 of h1 left)
+    assert stages.constant_patterns(specs, warm, 9) == {h1: 1.0} and stages.constant_patterns(specs, warm, 10) == {}
+    warm[1] = traj(specs[1], 0.0, "truncated")  # out of turns: a failure like the others, counted with its 0
+    assert stages.constant_patterns(specs, warm, 9) == {h1: 1.0, "set-const?horizon=2": 0.0}
 
     cfg = configs.load("micro")
     write_dataset(specs, tmp_path / "rl")
