@@ -66,6 +66,21 @@ class Figures:
             self.out = Path(out)
             self.out.mkdir(parents=True, exist_ok=True)
 
+    def run(self, sections: dict[str, Callable[[], object]], names: list[str]) -> None:
+        """Run the named sections in order; one that raises records its error and lets the others run (a section's
+        failure must not lose the others' figures). Each section's seconds are recorded too."""
+        import traceback
+
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                sections[name]()
+            except Exception as e:
+                traceback.print_exc()
+                self.record(name, "error", f"{type(e).__name__}: {e}")
+            self.record("seconds", name, round(time.perf_counter() - t0, 1))
+            print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+
     def record(self, section: str, key: str, value) -> None:
         import json
 

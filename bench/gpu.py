@@ -427,21 +427,10 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     record("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     record("env", "torch", torch.__version__)
-    for name in args.sections:
-        t0 = time.perf_counter()
-        try:
-            {"kernels": lambda: section_kernels(dev, dtype, args.smoke),
-             "model": lambda: section_model(dev, dtype, args.smoke),
-             "decode": lambda: section_decode(dev, dtype, args.smoke),
-             "parity": lambda: section_parity(dev, args.smoke)}[name]()
-        except Exception as e:  # one section's failure must not lose the others' figures
-            import traceback
-
-            traceback.print_exc()
-            record(name, "error", f"{type(e).__name__}: {e}")
-        record("seconds", name, round(time.perf_counter() - t0, 1))
-        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
-
+    FIGURES.run({"kernels": lambda: section_kernels(dev, dtype, args.smoke),
+                 "model": lambda: section_model(dev, dtype, args.smoke),
+                 "decode": lambda: section_decode(dev, dtype, args.smoke),
+                 "parity": lambda: section_parity(dev, args.smoke)}, args.sections)
 
 if __name__ == "__main__":
     main()

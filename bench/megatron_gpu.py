@@ -258,18 +258,8 @@ def main() -> None:
     record("env", "torch", torch.__version__)
     record("env", "megatron_core", getattr(megatron.core, "__version__", "?"))
     fns = {"parity": section_parity, "sao": section_sao, "tp2": section_tp2, "speed": section_speed}
-    for name in args.sections:  # the spawned-rank sections first: the in-process ones hold a process group
-        t0 = time.perf_counter()
-        try:
-            fns[name](dev, args.smoke)
-        except Exception as e:  # one section's failure must not lose the others' figures
-            import traceback
-
-            traceback.print_exc()
-            record(name, "error", f"{type(e).__name__}: {e}")
-        record("seconds", name, round(time.perf_counter() - t0, 1))
-        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
-
+    # the spawned-rank sections first: the in-process ones hold a process group
+    FIGURES.run({n: (lambda f=f: f(dev, args.smoke)) for n, f in fns.items()}, args.sections)
 
 if __name__ == "__main__":
     main()
