@@ -286,7 +286,7 @@ def cmd_base(args) -> int:
     command = "temper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (out / "run.json").write_text(json.dumps({"command": command, "args": vars(args),
                                               "config": cfg.model_dump(mode="json")}, indent=1, default=str))
-    model, record = train_base(cfg, out, tok, sandbox, steps=args.steps, log=con.print)
+    model, record = train_base(cfg, out, tok, sandbox, steps=args.steps, log=con.print, phase1=args.phase1)
     ckpt = out / "checkpoint"
     save_checkpoint(model, ckpt, policy_version=0)
     specs = eval_specs(cfg.base)
@@ -304,5 +304,8 @@ def add_base_parser(tsub) -> None:
     b.add_argument("--preset", default="tiny")
     b.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--out", required=True)
-    b.add_argument("--steps", type=int, default=None, help="optimizer steps (default: base.steps of the preset)")
+    b.add_argument("--steps", type=int, default=None,
+                   help="the first phase's optimizer steps (default: base.steps of the preset)")
+    b.add_argument("--phase1", default=None, metavar="CKPT",
+                   help="run only base.phase2, from these first-phase weights (their sha256 goes on the card)")
     b.set_defaults(fn=cmd_base)

@@ -141,16 +141,25 @@ def _commit() -> str:
 
 
 def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | None = None,
-               log: Callable[[str], None] = print) -> tuple[Transformer, dict]:
+               log: Callable[[str], None] = print, phase1: str | Path | None = None) -> tuple[Transformer, dict]:
     """Run the recipe into `out` (resumable from `out/state`); returns the model and the training record.
-    Snapshots every `base.snapshot_every` steps land in `out/snapshots/step-N` (HF layout)."""
-    from model import save_checkpoint
+    Snapshots every `base.snapshot_every` steps land in `out/snapshots/step-N` (HF layout).
+
+    `steps` is the first phase's length (default `base.steps`). With `base.phase2` the first phase's final
+    weights are kept in `out/phase1`, and `base.phase2.steps` more steps follow from them with a fresh AdamW at
+    a constant lr; `phase1` (a checkpoint of those weights) skips the first phase and runs only the second."""
+    from model import load_checkpoint, save_checkpoint
 
     from .checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from .lm import LMTrainer, TimeCapExceeded
 
     bc: BaseConfig = cfg.base
-    total = steps or bc.steps
+    p1 = steps or bc.steps
+    p2 = bc.phase2
+    total = p1 + (p2.steps if p2 else 0)
+    if phase1 is not None and p2 is None:
+        raise ValueError("phase1: the recipe has one phase (base.phase2 is not set), so there is no second phase "
+                         "to run from given first-phase weights")
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -165,38 +174,71 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
         f"({time.perf_counter() - t0:.0f} s)")
     tc = TrainConfig(**{**cfg.train.model_dump(), "lr": bc.lr, "warmup_steps": bc.warmup_steps,
                         "min_lr_ratio": bc.final_lr_ratio,
-                        "batch_size": bc.batch_size, "max_steps": total, "max_seconds": bc.max_seconds,
+                        "batch_size": bc.batch_size, "max_steps": p1, "max_seconds": bc.max_seconds,
                         "mtp_train_steps": bc.mtp_train_steps})
     model = Transformer(cfg.model)
     trainer = LMTrainer(model, tc)
+    second = None
+    if p2:
+        second = LMTrainer(model, tc.model_copy(update={"lr": p2.lr, "warmup_steps": p2.warmup_steps,
+                                                        "min_lr_ratio": 1.0, "max_steps": p2.steps}))
+    bc2 = bc.with_phase2(p1)
     losses: list[float] = []
     elapsed = 0.0
+    phase1_sha = None
     if complete_checkpoints(out / "state"):
-        st = restore(load_training_state(out / "state"), model, trainer.opt)
-        trainer.step_no, losses, elapsed = st.step, list(st.extra["loss"]), float(st.extra["elapsed"])
+        st = load_training_state(out / "state")
+        in_p2 = second is not None and st.step > p1  # a state at step p1 is the first phase's last
+        restore(st, model, (second if in_p2 else trainer).opt)
+        if in_p2:
+            trainer.step_no, second.step_no = p1, st.step - p1
+        else:
+            trainer.step_no = st.step
+        losses, elapsed = list(st.extra["loss"]), float(st.extra["elapsed"])
+        phase1_sha = st.extra.get("phase1_weights_sha256")
         log(f"base: resumed at step {st.step}")
+    elif phase1 is not None:
+        src = load_checkpoint(phase1)
+        model.load_state_dict(src.state_dict())
+        trainer.step_no = p1
+        phase1_sha = weights_sha256(phase1)
+        log(f"base: the first phase's weights from {phase1} (sha256 {phase1_sha[:12]}…); second phase only")
     start = time.perf_counter() - elapsed
-    while trainer.step_no < total:
+
+    def at() -> int:
+        return trainer.step_no + (second.step_no if second else 0)
+
+    while at() < total:
         if time.perf_counter() - start > bc.max_seconds:
             raise TimeCapExceeded(f"base training hit its safety cap base.max_seconds={bc.max_seconds:g} at step "
-                                  f"{trainer.step_no} of {total}")
-        s = trainer.step(*batch_at(bc, pools, trainer.step_no, tok.pad_id),
-                         progress=decay_progress(bc, trainer.step_no, total),
-                         dense=trainer.step_no < bc.dense_steps)
+                                  f"{at()} of {total}")
+        step = at()
+        if step < p1:
+            s = trainer.step(*batch_at(bc, pools, step, tok.pad_id), progress=decay_progress(bc, step, p1),
+                             dense=step < bc.dense_steps)
+        else:
+            s = second.step(*batch_at(bc2, pools, step, tok.pad_id), progress=0.0, dense=False)
         losses.append(round(s.loss, 5))
-        if trainer.step_no % 50 == 0 and trainer.step_no % bc.snapshot_every:
-            log(f"base step {trainer.step_no}/{total}: loss {sum(losses[-50:]) / 50:.4f} "
-                f"({time.perf_counter() - start:.0f} s)")
-        if trainer.step_no % bc.snapshot_every == 0 or trainer.step_no == total:
-            save_checkpoint(model, out / "snapshots" / f"step-{trainer.step_no}", policy_version=0)
-            save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
-                                policy_version=0, data_cursor=trainer.step_no, keep=1,
-                                extra={"loss": losses, "elapsed": time.perf_counter() - start})
+        step = at()
+        if step == p1 and second is not None:  # the first phase's end: keep its weights
+            save_checkpoint(model, out / "phase1", policy_version=0)
+            phase1_sha = weights_sha256(out / "phase1")
+        if step % 50 == 0 and step % bc.snapshot_every:
+            log(f"base step {step}/{total}: loss {sum(losses[-50:]) / 50:.4f} ({time.perf_counter() - start:.0f} s)")
+        if step % bc.snapshot_every == 0 or step in (p1, total):
+            save_checkpoint(model, out / "snapshots" / f"step-{step}", policy_version=0)
+            save_training_state(out / "state", policy=model, optimizer=(trainer if step <= p1 else second).opt,
+                                step=step, policy_version=0, data_cursor=step, keep=1,
+                                extra={"loss": losses, "elapsed": time.perf_counter() - start,
+                                       "phase1_weights_sha256": phase1_sha})
             window = losses[-bc.snapshot_every:]
-            log(f"base step {trainer.step_no}/{total}: loss {sum(window) / len(window):.4f} "
+            log(f"base step {step}/{total}: loss {sum(window) / max(1, len(window)):.4f} "
                 f"({time.perf_counter() - start:.0f} s)")
     record = {"steps": total, "data": manifest, "loss_first_last": [losses[0], losses[-1]] if losses else [],
               "train_seconds": round(time.perf_counter() - start, 1)}
+    if p2:
+        record["phases"] = {"phase1_steps": p1, "phase2_steps": p2.steps, "phase1_weights_sha256": phase1_sha,
+                            "phase1_from": str(phase1) if phase1 is not None else None}
     return model, record
 
 
@@ -210,6 +252,7 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
         "recipe": bc.model_dump(mode="json", exclude={"checkpoint"}), "model": cfg.model.model_dump(mode="json"),
         "agent": cfg.agent.model_dump(mode="json"), "steps": record["steps"], "data": record["data"],
         "train_seconds": record.get("train_seconds"), "loss_first_last": record.get("loss_first_last"),
+        "phases": record.get("phases"),
         "weights_sha256": weights_sha256(ckpt),
         "eval": {"seed": bc.eval_seed, "n_per_pattern": bc.n_eval_per_pattern, "n": len(specs), "greedy": True,
                  "pattern": ev["pattern"], "domain": ev["domain"], "all": ev["all"]},
@@ -217,11 +260,16 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
                    "tokens_sha256": tokens_sha256(ev["trajectories"][:n])},
     }
     (ckpt / CARD_JSON).write_text(json.dumps(card, indent=1))
+    ph = record.get("phases")
+    how = (f"{record['steps']} steps" if not ph else
+           f"{ph['phase1_steps']} steps, then a second phase of {ph['phase2_steps']} steps that adds "
+           + ", ".join(f"`{p}`" for p in bc.phase2.add_patterns)
+           + f" (from the first phase's weights, sha256 `{ph['phase1_weights_sha256']}`)")
     rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"
                      for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])])
     (ckpt / CARD_MD).write_text(
         f"# base policy, {record['steps']} steps\n\nThe base policy of the `tiny` preset: SFT on oracle "
-        f"trajectories of the task patterns with a curriculum, {record['steps']} steps.\n\n"
+        f"trajectories of the task patterns with a curriculum, {how}.\n\n"
         f"```bash\n{command}\n```\n\nseed {cfg.seed} · commit "
         f"`{card['commit']}` · weights sha256 `{card['weights_sha256']}`\n\nHeld-out greedy pass@1 (fresh "
         f"instances, seed {bc.eval_seed}), 95% Wilson intervals:\n\n| pattern / domain | pass@1 | 95% CI | n |\n"

@@ -145,6 +145,20 @@ class TrainerConfig(BaseModel):
         return self
 
 
+class BasePhase2(BaseModel):
+    """A second phase of the base recipe: `steps` more steps from the first phase's final weights, with a fresh
+    AdamW at a constant `lr` (after a linear warmup), on the last curriculum stage's mix plus `add_patterns`
+    (a batch row draws a pattern uniformly from that list, so a pattern listed k times is drawn k times as often).
+    It teaches a skill late and briefly, so the base holds it only in part: headroom that RL can close."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(gt=0)
+    lr: float = Field(gt=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    add_patterns: list[str] = Field(default_factory=list)
+
+
 class BaseConfig(BaseModel):
     """The recipe of the shipped base checkpoint (`temper train base`) and where iteration 1 finds it.
 
@@ -180,13 +194,32 @@ class BaseConfig(BaseModel):
     # step, ~25% of a step's time instead of ~45% for 3)
     mtp_train_steps: int = Field(default=1, gt=0)
     max_seconds: float = Field(default=4 * 3600.0, gt=0)  # a safety cap: hitting it is an error, not a budget
+    # after `steps`: phase2.steps more from those weights (None: one phase); `temper train base --phase1 CKPT`
+    # runs only this phase, from given first-phase weights
+    phase2: BasePhase2 | None = None
 
     @property
     def patterns(self) -> list[str]:
+        """Every pattern of the recipe, in first-use order (a pattern's data seed is its index here)."""
         seen: dict[str, None] = {}
         for st in self.curriculum:
             seen.update(dict.fromkeys(st.patterns))
+        if self.phase2:
+            seen.update(dict.fromkeys(self.phase2.add_patterns))
         return list(seen)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + (self.phase2.steps if self.phase2 else 0)
+
+    def with_phase2(self, phase1_steps: int) -> BaseConfig:
+        """This recipe with the second phase's mix as a curriculum stage from `phase1_steps` on."""
+        if not self.phase2:
+            return self
+        last = self.stage_at(phase1_steps - 1).patterns
+        mix = [*last, *self.phase2.add_patterns]  # a pattern listed k times is drawn k times as often
+        kept = [s for s in self.curriculum if s.from_step < phase1_steps]
+        return self.model_copy(update={"curriculum": [*kept, CurriculumStage(from_step=phase1_steps, patterns=mix)]})
 
     @property
     def task_patterns(self) -> list[str]:
