@@ -145,9 +145,10 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
     """Run the recipe into `out` (resumable from `out/state`); returns the model and the training record.
     Snapshots every `base.snapshot_every` steps land in `out/snapshots/step-N` (HF layout).
 
-    `steps` is the first phase's length (default `base.steps`). With `base.phase2` the first phase's final
-    weights are kept in `out/phase1`, and `base.phase2.steps` more steps follow from them with a fresh AdamW at
-    a constant lr; `phase1` (a checkpoint of those weights) skips the first phase and runs only the second."""
+    `steps` is the first phase's length (default `base.steps`). With `base.phase2`, `base.phase2.steps` more
+    steps follow from the first phase's final weights (its snapshot `out/snapshots/step-<steps>`, whose sha256
+    the record keeps) with a fresh AdamW at a constant lr; `phase1` (a checkpoint of those weights) skips the
+    first phase and runs only the second."""
     from model import load_checkpoint, save_checkpoint
 
     from .checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
@@ -220,19 +221,18 @@ def train_base(cfg, out: Path, tok: Tokenizer, sandbox: Sandbox, steps: int | No
             s = second.step(*batch_at(bc2, pools, step, tok.pad_id), progress=0.0, dense=False)
         losses.append(round(s.loss, 5))
         step = at()
-        if step == p1 and second is not None:  # the first phase's end: keep its weights
-            save_checkpoint(model, out / "phase1", policy_version=0)
-            phase1_sha = weights_sha256(out / "phase1")
         if step % 50 == 0 and step % bc.snapshot_every:
             log(f"base step {step}/{total}: loss {sum(losses[-50:]) / 50:.4f} ({time.perf_counter() - start:.0f} s)")
         if step % bc.snapshot_every == 0 or step in (p1, total):
             save_checkpoint(model, out / "snapshots" / f"step-{step}", policy_version=0)
+            if step == p1 and second is not None:  # the first phase's final weights: phase 2 starts from them
+                phase1_sha = weights_sha256(out / "snapshots" / f"step-{step}")
             save_training_state(out / "state", policy=model, optimizer=(trainer if step <= p1 else second).opt,
                                 step=step, policy_version=0, data_cursor=step, keep=1,
                                 extra={"loss": losses, "elapsed": time.perf_counter() - start,
                                        "phase1_weights_sha256": phase1_sha})
             window = losses[-bc.snapshot_every:]
-            log(f"base step {step}/{total}: loss {sum(window) / max(1, len(window)):.4f} "
+            log(f"base step {step}/{total}: loss {sum(window) / len(window):.4f} "
                 f"({time.perf_counter() - start:.0f} s)")
     record = {"steps": total, "data": manifest, "loss_first_last": [losses[0], losses[-1]] if losses else [],
               "train_seconds": round(time.perf_counter() - start, 1)}

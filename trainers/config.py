@@ -208,10 +208,6 @@ class BaseConfig(BaseModel):
             seen.update(dict.fromkeys(self.phase2.add_patterns))
         return list(seen)
 
-    @property
-    def total_steps(self) -> int:
-        return self.steps + (self.phase2.steps if self.phase2 else 0)
-
     def with_phase2(self, phase1_steps: int) -> BaseConfig:
         """This recipe with the second phase's mix as a curriculum stage from `phase1_steps` on."""
         if not self.phase2:

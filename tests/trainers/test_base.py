@@ -116,49 +116,64 @@ def test_warmup_stable_decay_schedule_by_hand():
     assert decay_progress(BaseConfig(decay_steps=0), 5, 10) == 0.0  # no decay: constant after warmup
 
 
-def _two_phase(p1: int, p2: int, extra=()):
+def _two_phase(p1: int, p2: int):
     return configs.load("micro", ["base.n_per_pattern=2", "base.batch_size=2", f"base.steps={p1}",
                                   "base.snapshot_every=1", "base.warmup_steps=1", "base.decay_steps=0",
-                                  f"base.phase2={{\"steps\": {p2}, \"lr\": 5e-4, \"warmup_steps\": 1, "
-                                  "\"add_patterns\": [\"set-const?horizon=2\"]}", *extra])
+                                  f"base.phase2={{\"steps\": {p2}, \"lr\": 5e-4, \"warmup_steps\": 2, "
+                                  "\"add_patterns\": [\"set-const?horizon=2\"]}"])
 
 
 def _same(a, b) -> bool:
     return all(torch.equal(v, w) for v, w in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_second_phase_from_given_weights_and_after_a_resume_is_the_one_run(tmp_path, one_thread):
+def test_second_phase_from_given_weights_and_after_a_resume_is_the_one_run(tmp_path, one_thread, monkeypatch):
     """Phase 1 then phase 2 in one run == phase 2 alone from phase 1's saved weights == phase 2 resumed mid-way;
-    the second phase moves the weights, and the card records the first phase's sha256."""
+    phase 2 trains on its own mix (the added pattern) at its own constant lr, and the record keeps the first
+    phase's sha256."""
+    from trainers.lm import LMTrainer
+
+    seen: list[tuple[torch.Tensor, float]] = []
+    real_step = LMTrainer.step
+
+    def spy(self, ids, mask=None, **kw):
+        st = real_step(self, ids, mask, **kw)
+        seen.append((ids.clone(), st.lr))
+        return st
+
+    monkeypatch.setattr(LMTrainer, "step", spy)
     tok, sb = ByteTokenizer(), make_sandbox("auto")
-    whole, rec = train_base(_two_phase(2, 3), tmp_path / "a", tok, sb, log=lambda m: None)
+    cfg = _two_phase(2, 3)
+    whole, rec = train_base(cfg, tmp_path / "a", tok, sb, log=lambda m: None)
     assert rec["steps"] == 5 and rec["phases"]["phase1_steps"] == 2
-    assert rec["phases"]["phase1_weights_sha256"] == weights_sha256(tmp_path / "a" / "phase1")
+    p1_dir = tmp_path / "a" / "snapshots" / "step-2"
+    assert rec["phases"]["phase1_weights_sha256"] == weights_sha256(p1_dir)
     assert "set-const?horizon=2" in rec["data"]  # the added pattern's oracle replays are in the data
-    p1 = load_checkpoint(tmp_path / "a" / "phase1")
-    assert _same(p1, load_checkpoint(tmp_path / "a" / "snapshots" / "step-2")) and not _same(p1, whole)
-    only2, rec2 = train_base(_two_phase(2, 3), tmp_path / "b", tok, sb, log=lambda m: None,
-                             phase1=tmp_path / "a" / "phase1")
+    assert not _same(load_checkpoint(p1_dir), whole)  # the second phase moves the weights
+    # the lr: phase 1 at base.lr (warmup 1, no decay), phase 2 warms up over 2 steps to phase2.lr, then holds
+    bc = cfg.base
+    assert [lr for _, lr in seen] == pytest.approx([bc.lr, bc.lr, 2.5e-4, 5e-4, 5e-4])
+    # the batches: phase 2 draws from the last stage's mix plus the added pattern, phase 1 from the curriculum
+    pools = torch.load(tmp_path / "a" / "data.pt", weights_only=False)["pools"]
+    for step, (ids, _) in enumerate(seen):
+        want, _ = batch_at(bc if step < 2 else bc.with_phase2(2), pools, step, tok.pad_id)
+        assert torch.equal(ids, want), step
+    assert any(not torch.equal(seen[s][0], batch_at(bc, pools, s, tok.pad_id)[0]) for s in range(2, 5))
+    only2, rec2 = train_base(cfg, tmp_path / "b", tok, sb, log=lambda m: None, phase1=p1_dir)
     assert _same(whole, only2) and rec2["phases"]["phase1_weights_sha256"] == rec["phases"]["phase1_weights_sha256"]
     # a run stopped one step into phase 2 (its state at step 3), resumed under the full recipe
     train_base(_two_phase(2, 1), tmp_path / "c", tok, sb, log=lambda m: None)
-    resumed, _ = train_base(_two_phase(2, 3), tmp_path / "c", tok, sb, log=lambda m: None)
+    resumed, _ = train_base(cfg, tmp_path / "c", tok, sb, log=lambda m: None)
     assert _same(whole, resumed)
     with pytest.raises(ValueError, match="base.phase2 is not set"):
-        train_base(_micro(2), tmp_path / "d", tok, sb, log=lambda m: None, phase1=tmp_path / "a" / "phase1")
+        train_base(_micro(2), tmp_path / "d", tok, sb, log=lambda m: None, phase1=p1_dir)
 
 
-def test_second_phase_mix_and_constant_lr_by_hand():
-    from trainers.config import TrainConfig
-    from trainers.lm import LMTrainer
-
+def test_second_phase_mix_by_hand():
     bc = BaseConfig(steps=10, curriculum=[{"from_step": 0, "patterns": ["a"]}, {"from_step": 4, "patterns": ["a", "b"]},
                                           {"from_step": 20, "patterns": ["z"]}],
                     phase2={"steps": 5, "lr": 1e-4, "warmup_steps": 2, "add_patterns": ["c", "a"]})
-    assert bc.patterns == ["a", "b", "z", "c"] and bc.total_steps == 15  # data seeds follow this order
+    assert bc.patterns == ["a", "b", "z", "c"]  # data seeds follow this order
     b2 = bc.with_phase2(10)
     assert b2.stage_at(9).patterns == ["a", "b"] and b2.stage_at(10).patterns == ["a", "b", "c", "a"]  # a: 2 of 4
     assert b2.stage_at(30).patterns == ["a", "b", "c", "a"]  # a first-phase stage past its end is dropped
-    tr = LMTrainer(Transformer(configs.load("micro").model),
-                   TrainConfig(lr=bc.phase2.lr, warmup_steps=bc.phase2.warmup_steps, min_lr_ratio=1.0))
-    assert [tr.lr_at(s, 0.0) for s in range(5)] == pytest.approx([0.5e-4, 1e-4, 1e-4, 1e-4, 1e-4])
