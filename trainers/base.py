@@ -38,12 +38,14 @@ from .stats import summarize
 
 CARD_JSON = "card.json"
 SYNTH = "synth:"  # curriculum patterns drawn from trainers/synthetic.py instead of environments
+SLOPPY = "sloppy:"  # `sloppy:PATTERN`: PATTERN's tasks demonstrated by its family's careless demonstrator
 CARD_MD = "CARD.md"
 
 
 def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConfig) -> tuple[dict[str, list[Segment]], dict]:
-    """Oracle segments per pattern and a manifest (spec sha256 and token sha256 per pattern)."""
-    from .sft import oracle_trajectories
+    """Demonstration segments per pattern (the oracle's; the careless demonstrator's for `sloppy:PATTERN`; byte
+    drills for `synth:KIND`) and a manifest (spec sha256 and token sha256 per pattern)."""
+    from .sft import oracle_trajectories, sloppy_trajectories
     from .synthetic import synthetic_segments
 
     pools: dict[str, list[Segment]] = {}
@@ -58,8 +60,9 @@ def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConf
             manifest[p] = {"synthetic": True, "segments": len(segs), "tokens_sha256": h.hexdigest(),
                            "trainable_tokens": sum(s.n_trainable for s in segs)}
             continue
-        specs = generate([p], bc.n_per_pattern, bc.data_seed + 1000 * j)
-        trajs = oracle_trajectories(specs, tok, sandbox, agent, concurrency=8)
+        sloppy = p.startswith(SLOPPY)
+        specs = generate([p.removeprefix(SLOPPY)], bc.n_per_pattern, bc.data_seed + 1000 * j)
+        trajs = (sloppy_trajectories if sloppy else oracle_trajectories)(specs, tok, sandbox, agent, concurrency=8)
         segs = [s for t in trajs for s in t.segments if any(s.loss_mask)]
         if not segs:
             raise ValueError(f"base.curriculum: pattern {p!r} produced no trainable oracle segments")
@@ -67,7 +70,8 @@ def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConf
         h = hashlib.sha256()
         for s in segs:
             h.update(json.dumps([s.tokens, s.loss_mask]).encode())
-        manifest[p] = {"specs": len(specs), "trajectories": len(trajs), "segments": len(segs),
+        manifest[p] = {"demonstrator": "sloppy" if sloppy else "oracle",
+                       "specs": len(specs), "trajectories": len(trajs), "segments": len(segs),
                        "spec_sha256": hashlib.sha256("".join(s.spec_hash for s in specs).encode()).hexdigest(),
                        "tokens_sha256": h.hexdigest(), "trainable_tokens": sum(s.n_trainable for s in segs)}
     return pools, manifest
@@ -265,6 +269,9 @@ def write_card(ckpt: Path, cfg, record: dict, ev: dict, specs: list[TaskSpec], c
            f"{ph['phase1_steps']} steps, then a second phase of {ph['phase2_steps']} steps that adds "
            + ", ".join(f"`{p}`" for p in bc.phase2.add_patterns)
            + f" (from the first phase's weights, sha256 `{ph['phase1_weights_sha256']}`)")
+    if any(p.startswith(SLOPPY) for p in bc.patterns):
+        how += (". A `sloppy:P` pool holds P's tasks demonstrated by its family's careless demonstrator (the "
+                "family's typical mistake, which its verifier refuses), drawn as often as the pattern is listed")
     rows = "\n".join(f"| `{k}` | {v['pass@1']:.2f} | [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] | {v['n']} |"
                      for k, v in [*ev["pattern"].items(), *ev["domain"].items(), ("all", ev["all"])])
     (ckpt / CARD_MD).write_text(

@@ -219,8 +219,9 @@ class BaseConfig(BaseModel):
 
     @property
     def task_patterns(self) -> list[str]:
-        """The curriculum's environment patterns (what the card evaluates), without the `synth:` ones."""
-        return [p for p in self.patterns if not p.startswith("synth:")]
+        """The curriculum's environment patterns (what the card evaluates), without the `synth:` drills; a
+        `sloppy:PATTERN` (PATTERN demonstrated by its family's careless demonstrator) counts as PATTERN."""
+        return list(dict.fromkeys(p.removeprefix("sloppy:") for p in self.patterns if not p.startswith("synth:")))
 
     def stage_at(self, step: int) -> CurriculumStage:
         stages = sorted(self.curriculum, key=lambda s: s.from_step)

@@ -24,19 +24,49 @@ from rollout.backend import InProcessBackend
 from rollout.types import Trajectory
 
 
-def oracle_trajectories(specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
-                        concurrency: int = 4) -> list[Trajectory]:
+def replay_trajectories(specs: list[TaskSpec], actions: list[list[str]], tok: Tokenizer, sandbox: Sandbox,
+                        cfg: AgentConfig, concurrency: int = 4) -> list[Trajectory]:
+    """Each spec's episode with the given rendered tool calls, through the real environment and agent loop."""
     async def main():
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(spec):
+        async def one(spec, acts):
             async with sem:
-                return await Agent(ScriptedPolicy(tok, spec.reference), tok, sandbox, cfg).run(spec)
+                return await Agent(ScriptedPolicy(tok, acts), tok, sandbox, cfg).run(spec)
 
-        return await asyncio.gather(*(one(s) for s in specs))
+        return await asyncio.gather(*(one(s, a) for s, a in zip(specs, actions, strict=True)))
 
-    trajs = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def oracle_trajectories(specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
+                        concurrency: int = 4) -> list[Trajectory]:
+    trajs = replay_trajectories(specs, [s.reference for s in specs], tok, sandbox, cfg, concurrency)
     return [t for t in trajs if t.reward == 1.0]
+
+
+def sloppy_trajectories(specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
+                        concurrency: int = 4) -> list[Trajectory]:
+    """Each spec's episode by its family's careless demonstrator (`Family.sloppy`). Every one must complete and
+    earn nothing: a sloppy demonstration that earns the reward is not a mistake (ValueError, naming the task)."""
+    from envs.families import get_family
+    from envs.spec import PublicTask
+
+    acts = []
+    for s in specs:
+        fam = get_family(s.family)
+        got = fam.sloppy(PublicTask(**{k: getattr(s, k) for k in PublicTask.model_fields}), s.hidden)
+        if got is None:
+            raise ValueError(f"base.curriculum: sloppy:{s.family}: the family has no careless demonstrator "
+                             "(Family.sloppy)")
+        acts.append([a.render() for a in got])
+    trajs = replay_trajectories(specs, acts, tok, sandbox, cfg, concurrency)
+    for s, t in zip(specs, trajs):
+        if t.status != "completed" or t.reward != 0.0:
+            raise ValueError(f"base.curriculum: the careless demonstration of {s.id} ({s.family}) ended "
+                             f"{t.status} with reward {t.reward}: it must complete and earn nothing (with a one-hop "
+                             "chain or no step to skip it is the oracle's own solution)")
+    return trajs
 
 
 def pad_segments(segs: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

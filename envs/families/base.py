@@ -65,6 +65,13 @@ class Family(ABC):
     def solve(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
         """The oracle's tool calls."""
 
+    def sloppy(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action] | None:
+        """A careless demonstrator's tool calls: the family's typical mistake (work stopped a step early, a value of
+        the wrong type), which the verifier must refuse. None: the family has no such demonstrator. The base recipe
+        mixes these with the oracle's (`sloppy:PATTERN` in `base`), so the base knows both ways and only the reward
+        tells them apart."""
+        return None
+
     def corrupt(self, act: Action, rng: random.Random) -> Action:
         """A plausible-but-wrong version of a state-changing action (for the triad's partial leg)."""
         return corrupt_action(act, rng)

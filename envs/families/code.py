@@ -66,6 +66,11 @@ class SetConst(Family):
                                            "new": f"{n} = {v}"}))
         return acts
 
+    def sloppy(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
+        """Writes each new value as a string (`LIMIT = "6"`): the file parses, the constant has the wrong type."""
+        return [Action("replace", {"path": "settings.py", "old": f"{n} = {hidden['values'][n]}",
+                                   "new": f'{n} = "{v}"'}) for n, v in hidden["targets"].items()]
+
 
 # ---- fix-bug -------------------------------------------------------------------------------------------
 # Each function: module, source, (buggy line, fixed line), symptom, visible tests (pytest, the agent sees and runs

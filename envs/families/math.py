@@ -48,6 +48,14 @@ class CalcChain(Family):
             v = _apply(v, op, n)
         return acts + [Action("submit", {"answer": str(v)})]
 
+    def sloppy(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
+        """Stops one operation early: the calls before the last, then submits the value it has."""
+        acts = self.solve(task, hidden)[:-2]
+        v = hidden["start"]
+        for op, n in hidden["steps"][:-1]:
+            v = _apply(v, op, n)
+        return acts + [Action("submit", {"answer": str(v)})]
+
 
 ITEMS = [("pen", 3), ("notebook", 7), ("ruler", 2), ("stapler", 12), ("folder", 4), ("marker", 5),
          ("lamp", 19), ("mug", 8)]

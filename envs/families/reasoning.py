@@ -67,6 +67,12 @@ class KVLookup(Family):
                 return acts + [Action("submit", {"answer": v})]
             f, k = v[2:].split(":")
 
+    def sloppy(self, task: PublicTask, hidden: dict[str, Any]) -> list[Action]:
+        """Stops at the first file: submits the value found there, a `->FILE:KEY` pointer included (the oracle's
+        own solution when the chain has one hop)."""
+        f, k = hidden["start"]
+        return [Action("read", {"path": f}), Action("submit", {"answer": hidden["table"][f][k]})]
+
 
 PEOPLE = ["ana", "ben", "cho", "dev", "eli", "fen", "gia", "hugo", "ivy", "jon", "kai", "lea", "max", "nia"]
 TEAMS = ["atlas", "boreal", "cinder", "delta", "ember", "fjord"]

@@ -105,3 +105,66 @@ def test_max_turns_ends_the_episode(sandbox):
         env.reset()
         steps = [env.step("<tool_call>ls</tool_call>") for _ in range(spec.max_turns)]
     assert steps[-1].done and not any(s.done for s in steps[:-1])
+
+
+def _episode(spec, sandbox, actions: list[str]) -> tuple[float, list[str]]:
+    """Run rendered tool calls (`<tool_call>…</tool_call>`) through the environment: (reward, observations)."""
+    obs = []
+    with Environment(spec, sandbox) as env:
+        env.reset()
+        for a in actions:
+            obs.append(env.step(a).observation)
+            if env.done:
+                break
+        return env.verify().reward, obs
+
+
+def _sloppy(spec) -> list[str]:
+    task = PublicTask(**{k: getattr(spec, k) for k in PublicTask.model_fields})
+    return [a.render() for a in FAMILIES[spec.family].sloppy(task, spec.hidden)]
+
+
+@pytest.mark.parametrize("horizon", [1, 2, 3])
+def test_careless_calc_stops_one_operation_early(horizon, sandbox):
+    import re
+
+    for seed in range(3):
+        spec = generate([f"calc-chain?horizon={horizon}"], 1, seed)[0]
+        sloppy = _sloppy(spec)
+        # the oracle's calls without its last calc, then the value it had: the previous calc's observation, or the
+        # start number read from the instruction
+        assert sloppy[:-1] == spec.reference[:-2] and sloppy[-1].startswith("<tool_call>submit ")
+        _, obs = _episode(spec, sandbox, spec.reference)
+        had = obs[-3] if horizon > 1 else re.search(r"Start with (\d+)", spec.instruction).group(1)
+        assert sloppy[-1] == f"<tool_call>submit {had.strip()}</tool_call>"
+        assert _episode(spec, sandbox, sloppy)[0] == 0.0 and _episode(spec, sandbox, spec.reference)[0] == 1.0
+
+
+def test_careless_kv_lookup_submits_the_pointer_it_found(sandbox):
+    import re
+
+    for seed in range(3):
+        spec = generate(["kv-lookup?horizon=2&keys=1"], 1, seed)[0]
+        sloppy = _sloppy(spec)
+        key, f = re.search(r"value of (\w+) in (\S+) and", spec.instruction).groups()
+        line = re.search(rf"^{key}=(.*)$", spec.files[f], re.M).group(1)  # what the first read shows
+        assert line.startswith("->") and sloppy == [spec.reference[0], f"<tool_call>submit {line}</tool_call>"]
+        assert _episode(spec, sandbox, sloppy)[0] == 0.0
+    assert FAMILIES["multihop"].sloppy(None, {}) is None  # only the tiny families have a careless demonstrator
+
+
+def test_careless_set_const_writes_strings(sandbox):
+    import ast
+
+    for h in (1, 2):
+        spec = generate([f"set-const?horizon={h}"], 1, 5)[0]
+        sloppy = _sloppy(spec)
+        assert [s.replace('"', "") for s in sloppy] == spec.reference  # the oracle's edits, the value in quotes
+        with Environment(spec, sandbox) as env:
+            env.reset()
+            for a in sloppy:
+                env.step(a)
+            got = {t.targets[0].id: t.value.value for t in ast.parse((env.workspace / "settings.py").read_text()).body}
+            assert env.verify().reward == 0.0
+        targets = spec.hidden["targets"]
+        assert {k: got[k] for k in targets} == {k: str(v) for k, v in targets.items()}  # right digits, wrong type

@@ -177,3 +177,24 @@ def test_second_phase_mix_by_hand():
     b2 = bc.with_phase2(10)
     assert b2.stage_at(9).patterns == ["a", "b"] and b2.stage_at(10).patterns == ["a", "b", "c", "a"]  # a: 2 of 4
     assert b2.stage_at(30).patterns == ["a", "b", "c", "a"]  # a first-phase stage past its end is dropped
+
+
+def test_sloppy_patterns_are_the_careless_demonstrations(one_thread):
+    from trainers.base import base_data
+
+    tok, sb, agent = ByteTokenizer(), make_sandbox("auto"), configs.load("micro").agent
+    bc = BaseConfig(curriculum=[{"from_step": 0, "patterns": ["calc-chain?horizon=1", "sloppy:calc-chain?horizon=1"]}],
+                    n_per_pattern=3)
+    assert bc.task_patterns == ["calc-chain?horizon=1"]  # the card evaluates the task, whoever demonstrated it
+    pools, manifest = base_data(bc, tok, sb, agent)
+    assert manifest["calc-chain?horizon=1"]["demonstrator"] == "oracle"
+    assert manifest["sloppy:calc-chain?horizon=1"]["demonstrator"] == "sloppy"
+    for p, calls in (("calc-chain?horizon=1", 1), ("sloppy:calc-chain?horizon=1", 0)):
+        assert len(pools[p]) == 3
+        for seg in pools[p]:
+            said = tok.decode([t for t, m in zip(seg.tokens, seg.loss_mask) if m])  # what the demonstrator said
+            assert said.count("<tool_call>calc ") == calls and said.count("<tool_call>submit ") == 1, said
+    one_hop = BaseConfig(curriculum=[{"from_step": 0, "patterns": ["sloppy:kv-lookup?horizon=1&keys=1"]}],
+                         n_per_pattern=2)
+    with pytest.raises(ValueError, match="must complete and earn nothing"):  # no pointer: it is the oracle
+        base_data(one_hop, tok, sb, agent)
