@@ -32,13 +32,11 @@ from model.tokenizer import Tokenizer
 from rollout.config import AgentConfig
 from rollout.types import Segment
 
-from .config import BaseConfig, TrainConfig
+from .config import SLOPPY, SYNTH, BaseConfig, TrainConfig
 from .sft import pad_segments
 from .stats import summarize
 
 CARD_JSON = "card.json"
-SYNTH = "synth:"  # curriculum patterns drawn from trainers/synthetic.py instead of environments
-SLOPPY = "sloppy:"  # `sloppy:PATTERN`: PATTERN's tasks demonstrated by its family's careless demonstrator
 CARD_MD = "CARD.md"
 
 
@@ -65,7 +63,7 @@ def base_data(bc: BaseConfig, tok: Tokenizer, sandbox: Sandbox, agent: AgentConf
         trajs = (sloppy_trajectories if sloppy else oracle_trajectories)(specs, tok, sandbox, agent, concurrency=8)
         segs = [s for t in trajs for s in t.segments if any(s.loss_mask)]
         if not segs:
-            raise ValueError(f"base.curriculum: pattern {p!r} produced no trainable oracle segments")
+            raise ValueError(f"base.curriculum: pattern {p!r} produced no trainable demonstration segments")
         pools[p] = segs
         h = hashlib.sha256()
         for s in segs:

@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+SYNTH = "synth:"  # base curriculum patterns drawn from trainers/synthetic.py instead of environments
+SLOPPY = "sloppy:"  # `sloppy:PATTERN`: PATTERN's tasks demonstrated by its family's careless demonstrator
+
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -221,7 +224,7 @@ class BaseConfig(BaseModel):
     def task_patterns(self) -> list[str]:
         """The curriculum's environment patterns (what the card evaluates), without the `synth:` drills; a
         `sloppy:PATTERN` (PATTERN demonstrated by its family's careless demonstrator) counts as PATTERN."""
-        return list(dict.fromkeys(p.removeprefix("sloppy:") for p in self.patterns if not p.startswith("synth:")))
+        return list(dict.fromkeys(p.removeprefix(SLOPPY) for p in self.patterns if not p.startswith(SYNTH)))
 
     def stage_at(self, step: int) -> CurriculumStage:
         stages = sorted(self.curriculum, key=lambda s: s.from_step)

@@ -50,12 +50,11 @@ def sloppy_trajectories(specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
     """Each spec's episode by its family's careless demonstrator (`Family.sloppy`). Every one must complete and
     earn nothing: a sloppy demonstration that earns the reward is not a mistake (ValueError, naming the task)."""
     from envs.families import get_family
-    from envs.spec import PublicTask
 
     acts = []
     for s in specs:
         fam = get_family(s.family)
-        got = fam.sloppy(PublicTask(**{k: getattr(s, k) for k in PublicTask.model_fields}), s.hidden)
+        got = fam.sloppy(s.public(), s.hidden)
         if got is None:
             raise ValueError(f"base.curriculum: sloppy:{s.family}: the family has no careless demonstrator "
                              "(Family.sloppy)")
