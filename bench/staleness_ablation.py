@@ -47,6 +47,10 @@ def _actor(cfg, init: str | None):
     return load_checkpoint(init) if init else Transformer(cfg.model)
 
 
+def _eval(cfg, model, held, tok, sb) -> dict:
+    return evaluate(model, held, tok, sb, cfg.agent, n_slots=cfg.loop.n_slots, concurrency=cfg.loop.batch_in_flight)
+
+
 def _instrument(trainer) -> dict:
     """Record, at every `select`, each received sample's lag (trainer version − its oldest generated token's
     version) and whether the trainer kept it."""
@@ -101,7 +105,7 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
     hist = loop.run(args.steps)
     dt = time.perf_counter() - t
     tail = [h["batch_reward"] for h in hist[-max(1, len(hist) // 3):]]
-    ev = evaluate(actor, held, tok, sb, cfg.agent) if args.eval else {"pass@1": float("nan")}
+    ev = _eval(cfg, actor, held, tok, sb) if args.eval else {"pass@1": float("nan")}
     stale = loop.trainer.dropped["stale"]
     return {"method": method, "tau": tau, "seed": seed, "in_flight": in_flight if method != "grpo" else None,
             "final_reward": statistics.mean(tail), "reward_std": statistics.pstdev(tail),
@@ -157,7 +161,7 @@ def main() -> None:
     held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
     if args.eval:
         torch.manual_seed(cfg.seed)
-        base = evaluate(_actor(cfg, args.init), held, tok, sb, cfg.agent)["pass@1"]
+        base = _eval(cfg, _actor(cfg, args.init), held, tok, sb)["pass@1"]
     else:
         base = float("nan")
     methods = args.methods.split(",")

@@ -354,7 +354,7 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
             log(f"loaded {checkpoint} into {len(urls)} worker(s); rolling out {len(todo)} environments")
             policy = await open_policy(urls, router_url)
             try:
-                return await run_episodes(Agent(policy, tok, sb, cfg.agent), todo, iteration, cfg.loop.in_flight,
+                return await run_episodes(Agent(policy, tok, sb, cfg.agent), todo, iteration, cfg.loop.batch_in_flight,
                                           on_done=store, trajectory_ids=[tid[s.id] for s in todo])
             finally:
                 await close_policy(policy)
@@ -737,7 +737,8 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
         if urls:  # the servers load the checkpoint as it is on disk: no second copy
             backend = ServerBackend(urls, work / "sync", router_url=router_url)
             backend.load(ckpt, next(loads))
-        ev = evaluate(None if backend else load_checkpoint(ckpt), specs, tok, sb, cfg.agent, backend=backend)
+        ev = evaluate(None if backend else load_checkpoint(ckpt), specs, tok, sb, cfg.agent, backend=backend,
+                      n_slots=cfg.loop.n_slots, concurrency=cfg.loop.batch_in_flight)
         for t in ev["trajectories"]:
             t.iteration = iteration
             rec.add(t)

@@ -86,7 +86,11 @@ class LoopConfig(BaseModel):
     push_every: int = Field(default=1, gt=0)
     in_flight: int = Field(default=8, gt=0)
     group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
-    n_slots: int = Field(default=8, gt=0)
+    n_slots: int = Field(default=8, gt=0)  # engine slots (sequences decoded together) of each rollout worker
+    # episodes in flight in the one-shot batches: the warm start's rollouts and the held-out evaluation. Nothing
+    # trains while they run, so no staleness to bound: as many as the engine has slots (its batched decode
+    # amortises the weights, and the agents' sandbox calls overlap it). The RL loop keeps `in_flight`
+    batch_in_flight: int = Field(default=8, gt=0)
     save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
     # what SAO does with the iteration's stored rollouts of the warm start (`rollout_batches`, one per RL env):
     # "critic": the value pre-training cycles through them a batch at a time (instead of fitting one fresh batch);
