@@ -646,7 +646,18 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     dp = make_train_backend(cfg.trainer)
-    student = dp.wrap(load_checkpoint(init))
+    model = load_checkpoint(init)
+    merged_from: list[str] = []
+    if cfg.opd.init == "merged":  # task arithmetic: start from the warm start plus every expert's delta
+        from trainers.opd import merge_experts
+
+        merged_from = sorted({p for p in experts.values() if Path(p).resolve() != Path(init).resolve()})
+        if merged_from:
+            model.load_state_dict(merge_experts(model.state_dict(), (load_checkpoint(p).state_dict()
+                                                                     for p in merged_from), cfg.opd.merge_scale))
+            log(f"OPD: the student starts from the warm start + {cfg.opd.merge_scale:g} × the sum of "
+                f"{len(merged_from)} expert delta(s)")
+    student = dp.wrap(model)
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts and s.id not in set(quarantine or ())]
     if teacher_urls:
         from rollout.backend import ServerTeacherPool
@@ -701,6 +712,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         pool.close()
     save_checkpoint(dp.export(student), out / "checkpoint", policy_version=2)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "resumed_from_step": start,
+            "init": cfg.opd.init, "merged_from": merged_from,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,
             **_mismatch_summary(hist)}

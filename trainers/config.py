@@ -75,6 +75,12 @@ class OPDConfig(BaseModel):
     exact_rows: bool = True  # as SAOConfig.exact_rows
     steps: int = Field(default=10, ge=0)  # OPD steps in one iteration
     epochs: int = Field(default=1, ge=1)  # student updates per batch (the teachers score it once)
+    # where the student starts: "warm_start" (the iteration's warm start), or "merged": the warm start plus
+    # `merge_scale` × the sum of every expert's weight delta from it (task arithmetic). The experts are short
+    # fine-tunes of the same warm start on disjoint domains, so their deltas add with little interference and
+    # distillation starts near every teacher at once instead of having to rebuild each one's gain
+    init: Literal["warm_start", "merged"] = "warm_start"
+    merge_scale: float = Field(default=1.0, gt=0, le=1)
 
 
 class LoopConfig(BaseModel):

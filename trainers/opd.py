@@ -10,6 +10,8 @@ teacher is prefetched while the current one scores.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 from model import Transformer, rows_logprobs
@@ -18,6 +20,28 @@ from rollout.types import Trajectory
 from .config import OPDConfig
 from .rl_losses import LossConfig, opd_advantage, policy_loss
 from .sao import Mismatch, layout
+
+
+@torch.no_grad()
+def merge_experts(base: Mapping[str, torch.Tensor], experts: Iterable[Mapping[str, torch.Tensor]],
+                  scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Task arithmetic: θ = θ_base + scale · Σ_e (θ_e − θ_base) on every floating-point tensor, summed in fp32
+    and cast back to the base's dtype; other tensors (integer buffers) stay the base's. `experts` is consumed
+    one state dict at a time (each can be loaded lazily); each must have exactly the base's keys and shapes."""
+    acc = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in base.items() if v.is_floating_point()}
+    n = 0
+    for i, sd in enumerate(experts):
+        if set(sd) != set(base):
+            diff = sorted(set(sd) ^ set(base))
+            raise ValueError(f"expert {i}: its keys differ from the warm start's ({', '.join(diff[:5])})")
+        for k in acc:
+            if sd[k].shape != base[k].shape:
+                raise ValueError(f"expert {i}: {k} has shape {tuple(sd[k].shape)}, the warm start {tuple(base[k].shape)}")
+            acc[k] += sd[k].float() - base[k].float()
+        n += 1
+    if not n:
+        raise ValueError("no experts to merge")
+    return {k: (base[k].float() + scale * acc[k]).to(v.dtype) if k in acc else v.clone() for k, v in base.items()}
 
 
 class OPDTrainer:

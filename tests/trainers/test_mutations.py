@@ -358,3 +358,64 @@ def test_opd_epochs_score_once_and_equal_single_steps():
     assert Counting.calls == 1 and b.steps == 1 and st["reverse_kl_last"] != st["reverse_kl"]  # measured after the first update
     for (name, p), q in zip(s1.named_parameters(), s2.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---- 9. the OPD student's merged start (task arithmetic) --------------------------------------------------------
+
+def test_merge_experts_adds_each_experts_delta_by_hand():
+    """θ = θ_base + s·Σ(θ_e − θ_base), written out per element; integer buffers stay the base's; dtypes kept."""
+    from trainers.opd import merge_experts
+
+    base = {"w": torch.tensor([1.0, 2.0, 3.0]), "h": torch.tensor([0.5], dtype=torch.bfloat16),
+            "n": torch.tensor([7])}
+    e1 = {"w": torch.tensor([2.0, 2.0, 3.0]), "h": torch.tensor([1.5], dtype=torch.bfloat16), "n": torch.tensor([9])}
+    e2 = {"w": torch.tensor([1.0, 5.0, 1.0]), "h": torch.tensor([0.5], dtype=torch.bfloat16), "n": torch.tensor([1])}
+    got = merge_experts(base, iter([e1, e2]))
+    assert got["w"].tolist() == [2.0, 5.0, 1.0]  # 1+1+0, 2+0+3, 3+0-2
+    assert got["h"].dtype == torch.bfloat16 and got["h"].item() == 1.5
+    assert got["n"].tolist() == [7]
+    half = merge_experts(base, [e1, e2], scale=0.5)
+    assert half["w"].tolist() == [1.5, 3.5, 2.0]
+    assert base["w"].tolist() == [1.0, 2.0, 3.0]  # the inputs are left alone
+    with pytest.raises(ValueError, match="keys differ.*extra"):
+        merge_experts(base, [{**e1, "extra": torch.zeros(1)}])
+    with pytest.raises(ValueError, match="w has shape"):
+        merge_experts(base, [{**e1, "w": torch.zeros(4)}])
+    with pytest.raises(ValueError, match="no experts"):
+        merge_experts(base, [])
+
+
+def test_opd_stage_starts_from_the_merged_experts(tmp_path):
+    """With `opd.init=merged` and no OPD steps the student is exactly the warm start plus both experts' deltas;
+    a skipped domain (its expert is the warm start itself) adds nothing; `warm_start` keeps the warm start."""
+    import stages
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+    from model import load_checkpoint, save_checkpoint
+
+    warm, experts = _micro(0), {}
+    save_checkpoint(warm, tmp_path / "warm")
+    for i, dom in enumerate(["math", "code"]):
+        e = copy.deepcopy(warm)
+        with torch.no_grad():
+            for p in e.parameters():
+                p.add_(torch.randn_like(p) * 0.01 * (i + 1))
+        save_checkpoint(e, tmp_path / dom)
+        experts[dom] = str(tmp_path / dom)
+    experts["reasoning"] = str(tmp_path / "warm")  # skipped: the warm start is its teacher
+    write_dataset(generate(["calc-chain?horizon=1"], 2, 5), tmp_path / "rl")
+    envs = {"train": None, "rl": str(tmp_path / "rl")}
+    want = {k: v.clone() for k, v in warm.state_dict().items()}
+    for dom in ("math", "code"):
+        for k, v in load_checkpoint(experts[dom]).state_dict().items():
+            if v.is_floating_point():
+                want[k] += v - warm.state_dict()[k]
+    for init in ("merged", "warm_start"):
+        cfg = configs.load("micro", ["opd.steps=0", f"opd.init={init}"])
+        out = stages.opd_student(cfg, str(tmp_path / "warm"), experts, envs, tmp_path / f"s-{init}")
+        got = load_checkpoint(out["checkpoint"]).state_dict()
+        ref = want if init == "merged" else warm.state_dict()
+        assert out["init"] == init
+        assert out["merged_from"] == (sorted([experts["code"], experts["math"]]) if init == "merged" else [])
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-6, msg=k)
