@@ -67,6 +67,13 @@ def ci(x: dict) -> str:
     return f"{x['pass@1']:.3f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
 
 
+def seed_config(preset: str, overrides: list[str], seed: int):
+    """The preset moved to replicate `seed`: its training seed and its RL and held-out environments."""
+    base = load(preset, overrides)
+    return load(preset, [*overrides, f"seed={base.seed + seed}", f"envs.rl_seed={base.envs.rl_seed + SEED_STRIDE * seed}",
+                         f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
+
+
 def run_seed(seed: int, args) -> list[dict]:
     """Every iteration of one seed (a child process when --jobs > 1: the numbers do not depend on it)."""
     import torch
@@ -74,10 +81,7 @@ def run_seed(seed: int, args) -> list[dict]:
     if args.jobs > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // args.jobs))
     say = lambda m: print(f"[seed {seed}] {m}", flush=True)  # noqa: E731
-    base = load(args.preset, args.override)
-    cfg = load(args.preset, [*args.override, f"seed={base.seed + seed}",
-                             f"envs.rl_seed={base.envs.rl_seed + SEED_STRIDE * seed}",
-                             f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
+    cfg = seed_config(args.preset, args.override, seed)
     parent, out = None, []
     for it in range(1, args.iterations + 1):
         say(f"iteration {it}")
