@@ -344,7 +344,8 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     _save(d, "opd_student", out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
-                  {"checkpoint": out["checkpoint"], **{f"teacher_{k}": v for k, v in experts.items()}}, live=True)
+                  {"checkpoint": out["checkpoint"], "student_init": out.get("init", "warm_start"),
+                   **{f"teacher_{k}": v for k, v in experts.items()}}, live=True)
     return _materialize(reported, out, meta)
 
 

@@ -99,7 +99,10 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
                                          "seed": seed})
     else:
         raise ValueError(f"method {method!r}: expected sao, ppo or grpo")
-    loop = RLLoop(actor, specs, tok, sb, cfg.agent, sao, lc, version=1)
+    # the agent samples with a seed per environment and turn: moving it with the seed makes seeds replicates
+    # (with one agent seed, sync GRPO would draw the very same episodes on every seed)
+    agent = cfg.agent.model_copy(update={"seed": cfg.agent.seed + seed})
+    loop = RLLoop(actor, specs, tok, sb, agent, sao, lc, version=1)
     rec = _instrument(loop.trainer)
     t = time.perf_counter()
     hist = loop.run(args.steps)
