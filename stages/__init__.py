@@ -647,16 +647,17 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     torch.manual_seed(cfg.seed)
     dp = make_train_backend(cfg.trainer)
     model = load_checkpoint(init)
-    merged_from: list[str] = []
-    if cfg.opd.init == "merged":  # task arithmetic: start from the warm start plus every expert's delta
+    resuming = complete_checkpoints(out / "state")
+    merged_from: list[str] = []  # task arithmetic: the warm start plus every expert's delta (a skipped domain's
+    if cfg.opd.init == "merged":  # expert is the warm start itself: nothing to add)
+        merged_from = sorted({p for p in experts.values() if Path(p).resolve() != Path(init).resolve()})
+    if merged_from and not resuming:  # a resumed student's weights come from its training state
         from trainers.opd import merge_experts
 
-        merged_from = sorted({p for p in experts.values() if Path(p).resolve() != Path(init).resolve()})
-        if merged_from:
-            model.load_state_dict(merge_experts(model.state_dict(), (load_checkpoint(p).state_dict()
-                                                                     for p in merged_from), cfg.opd.merge_scale))
-            log(f"OPD: the student starts from the warm start + {cfg.opd.merge_scale:g} × the sum of "
-                f"{len(merged_from)} expert delta(s)")
+        model.load_state_dict(merge_experts(model.state_dict(), (load_checkpoint(p).state_dict() for p in merged_from),
+                                            cfg.opd.merge_scale))
+        log(f"OPD: the student starts from the warm start + {cfg.opd.merge_scale:g} × the sum of "
+            f"{len(merged_from)} expert delta(s)")
     student = dp.wrap(model)
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts and s.id not in set(quarantine or ())]
     if teacher_urls:
@@ -667,7 +668,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         pool = TeacherPool(experts, max_resident=1)
     trainer = OPDTrainer(student, pool, cfg.opd, backend=dp)
     start, hist = 0, []
-    if complete_checkpoints(out / "state"):
+    if resuming:
         state = restore(load_training_state(out / "state"), student, trainer.opt)
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")

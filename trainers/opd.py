@@ -28,7 +28,7 @@ def merge_experts(base: Mapping[str, torch.Tensor], experts: Iterable[Mapping[st
     """Task arithmetic: θ = θ_base + scale · Σ_e (θ_e − θ_base) on every floating-point tensor, summed in fp32
     and cast back to the base's dtype; other tensors (integer buffers) stay the base's. `experts` is consumed
     one state dict at a time (each can be loaded lazily); each must have exactly the base's keys and shapes."""
-    acc = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in base.items() if v.is_floating_point()}
+    acc = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in base.items() if v.is_floating_point()}
     n = 0
     for i, sd in enumerate(experts):
         if set(sd) != set(base):
