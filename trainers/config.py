@@ -86,7 +86,9 @@ class OPDConfig(BaseModel):
 class LoopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["async", "sync"] = "async"
+    # async: free-running rollouts, trained in the order they finish; pipelined: deterministic one-step-off (the
+    # next batch generated on the current weights while the trainer steps); sync: generate, then train (GRPO)
+    mode: Literal["async", "pipelined", "sync"] = "async"
     steps: int = Field(default=20, ge=0)  # SAO steps per expert in one iteration
     batch_size: int = Field(default=8, gt=0)
     push_every: int = Field(default=1, gt=0)

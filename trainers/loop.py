@@ -16,6 +16,14 @@ empty) is kept in `consumption`, for the trajectory store.
 
 Sync mode: generate a batch with the current weights, wait for all of it, train, push (GRPO's shape:
 `group_size` rollouts per prompt).
+
+Pipelined mode: asynchronous and deterministic, one step off-policy. Batch s+1 (the next `batch_size`
+environments in order) is generated, all of it with the weights before step s, while the trainer takes step s
+on batch s; then the new weights are pushed and batch s+2 starts. Every sample is exactly one policy version
+old when it is trained on (0 for the first batch), what each step trains on does not depend on which episode
+finished first, and sampling is seeded per environment and visit, so the same seed gives the same weights on a
+busy machine and on a quiet one. The overlap is one batch of generation against one training step; async
+mode's free-running rollouts keep more in flight at the price of an order that depends on timing.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ class RLLoop:
         self._stop = threading.Event()
         self._cursor = 0
         self._since_push = 0  # actor updates not yet pushed to the engine
+        self._pending = 0  # pipelined mode: environments drawn for the generated-ahead batch, not trained on yet
         self.warm = list(warm or []) if self.cfg.warm_rollouts != "off" else []
 
     def _next_spec(self) -> TaskSpec:
@@ -116,8 +125,9 @@ class RLLoop:
         from .checkpoint import save_training_state
 
         t = self.trainer
+        # a batch generated ahead is not saved: a resumed run draws its environments again, on the saved weights
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
-                                   data_cursor=self._cursor, critic=t.critic, critic_optimizer=getattr(t, "copt", None),
+                                   data_cursor=self._cursor - self._pending, critic=t.critic, critic_optimizer=getattr(t, "copt", None),
                                    extra=extra, keep=keep)
 
     def resume(self, state) -> None:
@@ -164,6 +174,7 @@ class RLLoop:
         hist: list[dict] = []
         t0 = time.perf_counter()
         thread = None
+        ahead = None  # pipelined mode: the next batch, being generated on the current weights
         if self.cfg.mode == "async" and self.backend is not None:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
@@ -182,11 +193,14 @@ class RLLoop:
                     from .lm import TimeCapExceeded
 
                     raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
-                batch, warm = (warm, []) if warm else (self._collect(), [])
+                batch, warm = (warm, []) if warm else (self._collect(ahead), [])
+                ahead = self._ahead() if self.cfg.mode == "pipelined" and step + 1 < steps else None
                 st = self.trainer.step(batch, self.version)
                 self.loop_steps += 1
                 self._consumed(self.trainer.outcomes, self.loop_steps)
                 self._since_push += int(st.get("updated", False))
+                if ahead is not None:  # all of the next batch on the weights it started with, then the push
+                    ahead = self._wait(ahead)
                 if (step + 1) % self.cfg.push_every == 0 and self._since_push:
                     st["push"] = self.push_weights()  # a step that changed nothing does not make a new version
                     self._since_push = 0
@@ -201,16 +215,73 @@ class RLLoop:
                 self.backend.abort()
             if thread is not None:
                 thread.join(timeout=30)
+            if isinstance(ahead, threading.Thread):
+                ahead.join(timeout=30)
             if self._own_backend:
                 self.backend.close()
         return hist
 
-    def _collect(self) -> list[Trajectory]:
+    def _collect(self, ahead: list[Trajectory] | None = None) -> list[Trajectory]:
+        """The next training batch, on every rank: what pipelined mode generated ahead, else a fresh one."""
+        if ahead is not None:
+            self._pending = 0
+            return self._shared(lambda: ahead)
         t0 = time.perf_counter()
         try:
             return self._collect_batch()
         finally:
             self.wait_seconds += time.perf_counter() - t0  # the trainer idles, waiting for rollouts
+
+    # ---- rollout side (pipelined mode) -----------------------------------------------------------------
+    def _ahead(self) -> threading.Thread | None:
+        """Start generating the next batch (rank 0, which owns the engines) on the weights the engines hold now."""
+        if self.backend is None:
+            return None
+        box: dict = {}
+
+        def work():
+            try:
+                box["batch"] = self._pipelined_batch()
+            except BaseException as e:  # handed to the trainer's thread by `_wait`
+                box["error"] = e
+
+        th = threading.Thread(target=work, daemon=True, name="rollouts-ahead")
+        th.box = box  # type: ignore[attr-defined]
+        th.start()
+        return th
+
+    def _wait(self, th: threading.Thread | None) -> list[Trajectory] | None:
+        if th is None:
+            return None
+        t0 = time.perf_counter()
+        th.join()
+        self.wait_seconds += time.perf_counter() - t0
+        if "error" in th.box:  # type: ignore[attr-defined]
+            raise th.box["error"]  # type: ignore[attr-defined]
+        self._pending = len(th.box["batch"])  # type: ignore[attr-defined]
+        return th.box["batch"]  # type: ignore[attr-defined]
+
+    def _pipelined_batch(self) -> list[Trajectory]:
+        """The next `batch_size` environments in order, each sampling the stream of its visit, in that order."""
+        todo = [self._next() for _ in range(self.cfg.batch_size)]
+
+        async def go():
+            sem = asyncio.Semaphore(self.cfg.in_flight)
+            async with self.backend.session() as policy:
+                agent = Agent(policy, self.tok, self.sandbox, self.agent_cfg)
+
+                async def one(spec, visit):
+                    async with sem:
+                        return await agent.run(spec, self.iteration, sample=visit)
+
+                return list(await asyncio.gather(*(one(s, v) for s, v in todo)))
+
+        trajs = asyncio.run(go())
+        for t in trajs:
+            self.finished += 1
+            if self.on_trajectory is not None:
+                self.on_trajectory(t)
+        return trajs
 
     def _collect_batch(self) -> list[Trajectory]:
         return self._shared(self._generate)
@@ -228,6 +299,8 @@ class RLLoop:
     def _generate(self) -> list[Trajectory]:
         if self.cfg.mode == "async":
             return [self._q.get() for _ in range(self.cfg.batch_size)]
+        if self.cfg.mode == "pipelined":
+            return self._pipelined_batch()
         g = self.cfg.group_size
         specs = [self._next_spec() for _ in range(max(1, self.cfg.batch_size // g))]
         specs = [s for s in specs for _ in range(g)]
