@@ -399,7 +399,8 @@ def rewards(store_path: Path, iteration: int, trajectory_ids: list[str] | None =
         from envs.gate import mine
 
         specs = {s.id: s for s in read_dataset(rl_set_dir)}
-        sample = sorted(rewarded, key=lambda t: t.trajectory_id)[::max(1, mine_every)]
+        # environment order (ids are random, the store's order is the finish order): the same rollouts are sampled
+        sample = sorted(rewarded, key=lambda t: (t.env_id, t.trajectory_id))[::max(1, mine_every)]
         for t in sample:
             spec = specs.get(t.env_id)
             flags = mine(spec, trajectory_actions(t), t.reward) if spec is not None else ["environment not in the RL set"]
@@ -604,7 +605,9 @@ def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[s
     if bad:
         raise ValueError(f"warm rollouts {', '.join(bad[:5])} are not {domain} trajectories of the warm start "
                          f"(policy version {WARM_VERSION})")
-    return trajs
+    # in environment order, not the store's (the order they finished in): the critic's pre-training batches are
+    # cut from this list, so the same seed gives the same critic on a busy machine and on a quiet one
+    return sorted(trajs, key=lambda t: (t.env_id, t.trajectory_id))
 
 
 def _mismatch_summary(hist: list[dict]) -> dict:

@@ -114,6 +114,29 @@ def test_the_miner_reads_rewarded_rollouts_and_quarantines_the_hacked_environmen
     assert sampled["mined"] == 1 and sampled["quarantined"] == []  # t0 only (every 2nd of t0, t1)
 
 
+def test_warm_rollouts_come_back_in_environment_order_whatever_order_they_finished_in(tmp_path):
+    """The critic pre-trains on the warm rollouts a batch at a time in the order `_read_warm` returns them: that
+    order must not be the store's (creation time, random ids), or a busy machine trains another critic."""
+    from envs.generator import generate
+    from rollout.types import Segment, Trajectory
+    from store import TrajectoryStore
+
+    specs = generate(["set-const?horizon=1"], 4, 5)
+
+    def traj(s, tid):
+        return Trajectory(tid, s.id, s.family, s.domain, s.spec_hash, "v", 1,
+                          [Segment([1, 2], [0, 1], [0.0, -1.0], [stages.WARM_VERSION] * 2)], 1.0)
+
+    got = []
+    for order, ids in ((specs, ["z1", "y2", "x3", "w4"]), (specs[::-1], ["a1", "b2", "c3", "d4"])):
+        path = tmp_path / f"{ids[0]}.duckdb"
+        with TrajectoryStore(path) as st:
+            for s, tid in zip(order, ids):  # one write each: later writes are created later
+                st.write([traj(s, tid)])
+        got.append([t.env_id for t in stages._read_warm(path, 1, "code", ids)])
+    assert got[0] == got[1] == sorted(s.id for s in specs)
+
+
 def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_path):
     """DAPO's filter with the task pattern as the group: a pattern whose warm rollouts (≥ sao.constant_pattern_min)
     all earned one reward gives no outcome signal; a domain made only of such patterns gets no expert."""
