@@ -93,6 +93,11 @@ class LoopConfig(BaseModel):
     batch_size: int = Field(default=8, gt=0)
     push_every: int = Field(default=1, gt=0)
     in_flight: int = Field(default=8, gt=0)
+    # async SAO with a staleness bound τ: the rollout side starts an episode only if, trained in its turn, it would
+    # be at most τ policy versions old (AReaL's admission control: at most τ·push_every + 1 batches started beyond
+    # the ones the trainer has finished), so `in_flight` is a ceiling and few samples are generated only to be
+    # dropped. The drop stays, exact, for the episodes that finish late. False: free-running rollouts, drop only
+    bound_admission: bool = True
     group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
     n_slots: int = Field(default=8, gt=0)  # engine slots (sequences decoded together) of each rollout worker
     # episodes in flight in the one-shot batches: the warm start's rollouts and the held-out evaluation. Nothing

@@ -9,7 +9,8 @@ loop + sandboxed environments); every finished trajectory goes into a queue at o
 `batch_size` trajectories as they arrive (one rollout per prompt), runs one SAO step, and every
 `push_every` steps pushes its weights (versioned and checksummed on every engine). Engines swap them
 between decoding steps; in-flight requests keep going and their later tokens carry the new version —
-which is what the staleness bound τ measures.
+which is what the staleness bound τ measures. With SAO's bound, admission control starts an episode only
+if, trained in its turn, it would be within τ versions (`bound_admission`); the trainer drops the late ones.
 
 What the trainer did with every trajectory (trained on it at step s, or dropped it as stale, crashed or
 empty) is kept in `consumption`, for the trajectory store.
@@ -90,6 +91,12 @@ class RLLoop:
         self._cursor = 0
         self._since_push = 0  # actor updates not yet pushed to the engine
         self._pending = 0  # pipelined mode: environments drawn for the generated-ahead batch, not trained on yet
+        # async mode's admission control (see `_admission_limit`): episodes started and fresh batches finished in
+        # this run, and the rollout thread's event loop and gate (set when a batch is done or on stop)
+        self._admitted = 0
+        self._batches_done = 0
+        self._rloop: asyncio.AbstractEventLoop | None = None
+        self._gate: asyncio.Event | None = None
         self.warm = list(warm or []) if self.cfg.warm_rollouts != "off" else []
 
     def _next_spec(self) -> TaskSpec:
@@ -144,14 +151,53 @@ class RLLoop:
         self.push_weights()  # the engine starts from the restored policy, at the saved version
 
     # ---- rollout side (async mode) -----------------------------------------------------------------
+    def _admission_limit(self) -> int | None:
+        """How many episodes this run may have started: None when unbounded (no staleness bound, or
+        `bound_admission` off). The episode started k-th goes, finishing in turn, into fresh batch k // B. While the
+        trainer has finished d batches the engines hold every version those steps made, and by the time batch m
+        trains at most ceil((m − d) / push_every) more versions exist; so starting k only while
+        k // B ≤ d + τ·push_every keeps that episode within τ versions of the trainer (τ = 0: each batch starts
+        after the previous one is trained and pushed, i.e. synchronous; a step that makes no update makes no
+        version, which only lowers the lag). Episodes that finish later than their turn can still go over, and the
+        trainer's bound drops those."""
+        t = self.trainer.cfg
+        if not self.cfg.bound_admission or t.loss != "sao" or t.staleness is None:
+            return None
+        return (self._batches_done + t.staleness * self.cfg.push_every + 1) * self.cfg.batch_size
+
+    async def _admit(self) -> bool:
+        """Wait until admission control lets one more episode start (False: the loop is stopping)."""
+        while not self._stop.is_set():
+            limit = self._admission_limit()
+            if limit is None or self._admitted < limit:
+                self._admitted += 1  # no await between the check and the count: the workers share one event loop
+                return True
+            self._gate.clear()
+            await self._gate.wait()
+        return False
+
+    def _batch_done(self) -> None:
+        """The trainer has finished a fresh batch (its step taken and any new version pushed): the gate moves on."""
+        self._batches_done += 1
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        if self._rloop is not None and self._gate is not None:
+            try:
+                self._rloop.call_soon_threadsafe(self._gate.set)
+            except RuntimeError:  # the rollout thread's loop has already closed
+                pass
+
     def _rollouts(self) -> None:
         async def worker(agent: Agent):
-            while not self._stop.is_set():
+            while await self._admit():
                 spec, visit = self._next()
                 t = await agent.run(spec, self.iteration, sample=visit)
                 await asyncio.to_thread(self._emit, t)
 
         async def main():
+            self._gate = asyncio.Event()
+            self._rloop = asyncio.get_running_loop()
             async with self.backend.session() as policy:
                 agent = Agent(policy, self.tok, self.sandbox, self.agent_cfg)
                 await asyncio.gather(*(worker(agent) for _ in range(self.cfg.in_flight)))
@@ -184,6 +230,8 @@ class RLLoop:
                 # value pre-training before any actor update: on the warm rollouts, or on the first fresh batch
                 first = warm or self._collect()
                 self.trainer.value_pretrain(first, batch_size=self.cfg.batch_size)  # each update costs one batch
+                if not warm:
+                    self._batch_done()
                 fitted = self.trainer.pretrained_ids
                 self._consumed([(t, "value_pretrain") for t in first if t.trajectory_id in fitted], None)
             if self.cfg.warm_rollouts != "train":
@@ -193,6 +241,7 @@ class RLLoop:
                     from .lm import TimeCapExceeded
 
                     raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
+                fresh = not warm
                 batch, warm = (warm, []) if warm else (self._collect(ahead), [])
                 ahead = self._ahead() if self.cfg.mode == "pipelined" and step + 1 < steps else None
                 st = self.trainer.step(batch, self.version)
@@ -204,6 +253,8 @@ class RLLoop:
                 if (step + 1) % self.cfg.push_every == 0 and self._since_push:
                     st["push"] = self.push_weights()  # a step that changed nothing does not make a new version
                     self._since_push = 0
+                if fresh:
+                    self._batch_done()
                 st.update(elapsed=time.perf_counter() - t0, finished=self.finished, version=self.version,
                           batch_reward=sum(t.reward for t in batch) / len(batch))
                 hist.append(st)
@@ -211,6 +262,7 @@ class RLLoop:
                     on_step(st)
         finally:
             self._stop.set()
+            self._open_gate()  # workers waiting for admission see the stop
             if self.backend is not None:
                 self.backend.abort()
             if thread is not None:

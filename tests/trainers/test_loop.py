@@ -252,3 +252,66 @@ def test_pipelined_loop_saves_the_cursor_of_what_it_trained_on(tmp_path):
 
     _pipelined(jitter_seed=1, steps=3, on_step=on_step)
     assert saved == [12] and load_training_state(tmp_path / "state").data_cursor == 8
+
+
+def _async_jittery(tau: int, in_flight: int, steps: int, admission: bool = True, push_every: int = 1):
+    """Async SAO on the micro actor with a jittery backend (episodes finish out of order); records, at every step,
+    how many episodes had been started and how many fresh batches the trainer had finished before it."""
+    from rollout.backend import InProcessBackend
+
+    torch.manual_seed(0)
+    actor = Transformer(configs.load("micro").model)
+    specs = generate(["kv-lookup", "calc-chain"], 6, seed=3)
+    seen = []
+
+    def on_trajectory(t):
+        t.reward = float(len(seen) % 2)
+        seen.append(t)
+
+    lc = LoopConfig(mode="async", batch_size=4, in_flight=in_flight, n_slots=8, push_every=push_every,
+                    bound_admission=admission)
+    backend = _Jittery(InProcessBackend(actor, TOK, n_slots=8, max_len=AGENT.max_context + 8), 5)
+    loop = RLLoop(actor, specs, TOK, make_sandbox(), AGENT.model_copy(update={"seed": 0}),
+                  SAOConfig(critic_updates=1, staleness=tau, value_pretrain_steps=1, lr=1e-3), lc,
+                  on_trajectory=on_trajectory, backend=backend)
+    started = []  # (episodes started, fresh batches finished) as each step begins
+
+    collect = loop._collect
+
+    def spy(ahead=None):
+        batch = collect(ahead)
+        started.append((loop._admitted, loop._batches_done))
+        return batch
+
+    loop._collect = spy
+    try:
+        hist = loop.run(steps)
+    finally:
+        backend.close()
+    return loop, hist, started
+
+
+def test_async_admission_at_tau_0_is_synchronous():
+    """τ = 0 with 16 episodes allowed in flight: admission control starts each batch only after the previous one is
+    trained and pushed, so every sample is trained on the version that generated all of it and none is dropped.
+    Without admission, the same loop drops stale samples."""
+    loop, hist, started = _async_jittery(tau=0, in_flight=16, steps=3)
+    assert [h["updated"] for h in hist] == [True, True, True]
+    trained = [r for r in loop.consumption if r["outcome"] == "trained"]
+    assert len(trained) == 12 and all(r["staleness"] == 0 for r in trained)
+    assert loop.trainer.dropped["stale"] == 0
+    # the critic's batch and three training batches: never more than one batch started beyond the finished ones
+    assert all(n <= (done + 1) * 4 for n, done in started)
+    free, _, _ = _async_jittery(tau=0, in_flight=16, steps=3, admission=False)
+    assert free.trainer.dropped["stale"] > 0
+
+
+def test_async_admission_bounds_episodes_started_ahead():
+    """τ = 1, push every step, 32 allowed in flight: at most τ + 1 batches started beyond those the trainer has
+    finished, and the loop still fills every batch (no deadlock when the gate is shut)."""
+    loop, hist, started = _async_jittery(tau=1, in_flight=32, steps=4)
+    assert len(hist) == 4
+    assert all(n <= (done + 2) * 4 for n, done in started)
+    assert max(n - done * 4 for n, done in started) > 4  # it did run ahead of the trainer: more than one batch
+    trained = [r for r in loop.consumption if r["outcome"] == "trained"]
+    assert trained and all(r["staleness"] <= 1 for r in trained)
