@@ -7,11 +7,16 @@
 step (`loop.push_every = 1`: one new policy version per actor update), and keeps `--in-flight` episodes
 running (by default 4 × the batch size), so a trajectory finishes — and waits in the queue — while the
 trainer makes several versions: its oldest generated token is `lag` versions behind the trainer when it is
-trained on. SAO drops every sample with lag > τ; naive async PPO (symmetric clip, no band mask, no bound) trains
-on all of them; GRPO generates synchronously in groups of 4 (lag 0 by construction).
+trained on. SAO bounds the lag at τ in two places: admission control starts an episode only if, trained in its
+turn, it would be within τ versions (`loop.bound_admission`, so `--in-flight` is a ceiling: at most τ + 1 batches
+run ahead of the trainer), and the trainer drops every sample that still finished with lag > τ
+(`--no-admission`: the drop alone, with every episode in flight). Naive async PPO (symmetric clip, no band mask,
+no bound) trains on all of them; GRPO generates synchronously in groups of 4 (lag 0 by construction). SAO at τ = 0
+is synchronous SAO: each batch starts on the weights of the step before it.
 
 Reported per config (mean ± standard deviation over `--seeds`):
-* stale share: samples dropped by the staleness bound / samples that reached the trainer,
+* stale share: samples dropped by the staleness bound / samples that reached the trainer, and the mean reward
+  and trainable length of the kept and of the dropped samples (what the bound selects for),
 * lag of the trained samples in policy versions (mean and max), and the mean lag of every sample received
   (what the bound cut from), and the number of updating steps (versions made),
 * final reward (mean batch reward over the last third of the steps), its spread, the largest |KL|, and
@@ -54,7 +59,8 @@ def _eval(cfg, model, held, tok, sb) -> dict:
 def _instrument(trainer) -> dict:
     """Record, at every `select`, each received sample's lag (trainer version − its oldest generated token's
     version) and whether the trainer kept it."""
-    rec: dict = {"seen": 0, "lag_all": [], "lag_kept": []}
+    rec: dict = {"seen": 0, "lag_all": [], "lag_kept": [], "reward_kept": [], "reward_stale": [], "len_kept": [],
+                 "len_stale": []}
     select = trainer.select
 
     def wrapped(trajs, current_version):
@@ -69,6 +75,10 @@ def _instrument(trainer) -> dict:
             rec["lag_all"].append(lag)
             if id(t) in keep:
                 rec["lag_kept"].append(lag)
+            which = "kept" if id(t) in keep else "stale" if lag > (trainer.cfg.staleness or 0) else None
+            if which:  # what the bound cut: the outcome and length of the kept and the dropped episodes
+                rec[f"reward_{which}"].append(t.reward)
+                rec[f"len_{which}"].append(t.n_trainable)
         return kept
 
     trainer.select = wrapped
@@ -88,7 +98,7 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
     if method == "sao":
         sao = cfg.sao.model_copy(update={"loss": "sao", "staleness": tau})
         lc = cfg.loop.model_copy(update={"mode": "async", "push_every": 1, "batch_size": batch,
-                                         "in_flight": in_flight, "seed": seed})
+                                         "in_flight": in_flight, "seed": seed, "bound_admission": args.admission})
     elif method == "ppo":
         sao = cfg.sao.model_copy(update={"loss": "ppo", "staleness": None})
         lc = cfg.loop.model_copy(update={"mode": "async", "push_every": 1, "batch_size": batch,
@@ -101,7 +111,7 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
         raise ValueError(f"method {method!r}: expected sao, ppo or grpo")
     # the agent samples with a seed per environment and turn: moving it with the seed makes seeds replicates
     # (with one agent seed, sync GRPO would draw the very same episodes on every seed)
-    agent = cfg.agent.model_copy(update={"seed": cfg.agent.seed + seed})
+    agent = cfg.agent if cfg.agent.seed is None else cfg.agent.model_copy(update={"seed": cfg.agent.seed + seed})
     loop = RLLoop(actor, specs, tok, sb, agent, sao, lc, version=1)
     rec = _instrument(loop.trainer)
     t = time.perf_counter()
@@ -118,6 +128,8 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
             "lag_mean": float(statistics.mean(rec["lag_kept"])) if rec["lag_kept"] else 0.0,
             "lag_max": max(rec["lag_kept"], default=0),
             "lag_mean_received": float(statistics.mean(rec["lag_all"])) if rec["lag_all"] else 0.0,
+            **{k: float(statistics.mean(rec[k])) if rec[k] else float("nan")
+               for k in ("reward_kept", "reward_stale", "len_kept", "len_stale")},
             "pass@1": ev["pass@1"], "seconds": dt, "rewards": [h["batch_reward"] for h in hist]}
 
 
@@ -156,6 +168,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's loop.batch_size")
     ap.add_argument("--in-flight", type=int, default=None, help="episodes in flight (default 4 × batch size)")
     ap.add_argument("--no-eval", dest="eval", action="store_false", help="skip held-out pass@1")
+    ap.add_argument("--no-admission", dest="admission", action="store_false",
+                    help="SAO without admission control: every episode in flight, the stale ones dropped")
     ap.add_argument("--out", default="runs/bench-ablation.json")
     args = ap.parse_args()
     cfg = configs.load(args.preset, args.override)
@@ -181,13 +195,16 @@ def main() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
         runs += mine
         col = lambda k, mine=mine: [float(r[k]) for r in mine]  # noqa: E731
-        name = {"sao": f"SAO τ={tau}", "ppo": "async PPO, no bound", "grpo": "sync GRPO"}[method]
-        rows.append([name, _ms(col("stale_share")), _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
+        name = {"sao": f"SAO τ={tau}" + ("" if args.admission else ", drop only"), "ppo": "async PPO, no bound",
+                "grpo": "sync GRPO"}[method]
+        rows.append([name, _ms(col("stale_share")),
+                     f"{_ms(col('reward_kept'), '.2f')} / {_ms(col('reward_stale'), '.2f')}",
+                     f"{_ms(col('len_kept'), '.0f')} / {_ms(col('len_stale'), '.0f')}", _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
                      _ms(col("lag_mean_received"), ".2f"), _ms(col("updates"), ".1f"), _ms(col("final_reward")),
                      _ms(col("reward_std")), _ms(col("max_kl")), _ms(col("pass@1")), f"{sum(col('seconds')):.0f}"])
     _table(f"staleness ablation on {args.preset}: {args.steps} steps, seeds {args.seeds}, push every update, "
           f"τ in policy versions (pass@1 before: {base:.2f}; mean ± std over seeds)",
-          ["config", "stale share", "lag mean (trained)", "lag max (trained)", "lag mean (received)", "updates",
+          ["config", "stale share", "reward kept / dropped", "tokens kept / dropped", "lag mean (trained)", "lag max (trained)", "lag mean (received)", "updates",
            "final reward", "reward std", "max |KL|", "pass@1 after", "seconds"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(runs, indent=1))

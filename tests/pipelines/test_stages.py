@@ -159,6 +159,13 @@ def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_pat
     assert stages.constant_patterns(specs, warm, 0) == {}  # off
     warm[1] = traj(specs[1], 1.0)  # one success among the two-constant edits: that pattern has signal
     assert stages.constant_patterns(specs, warm, 8) == {h1: 1.0}
+    # ... unless one reward in ten is "nearly constant" (sao.constant_pattern_share 0.9): reported with its mean
+    assert stages.constant_patterns(specs, warm, 8, share=0.9) == {h1: 1.0, "set-const?horizon=2": 0.1}
+    assert stages.constant_patterns(specs, warm, 8, share=0.91) == {h1: 1.0}
+    warm[2] = traj(specs[2], 0.0)  # and a failure of h1: 9 in 10, the same share the other way
+    assert stages.constant_patterns(specs, warm, 8, share=0.9) == {h1: 0.9, "set-const?horizon=2": 0.1}
+    assert stages.constant_patterns(specs, warm, 8) == {}
+    warm[2] = traj(specs[2], 1.0)
     warm[0] = traj(specs[0], 0.0, "crashed")  # a crash says nothing of the policy: not counted (9 of h1 left)
     assert stages.constant_patterns(specs, warm, 9) == {h1: 1.0} and stages.constant_patterns(specs, warm, 10) == {}
     warm[1] = traj(specs[1], 0.0, "truncated")  # out of turns: a failure like the others, counted with its 0
@@ -171,7 +178,7 @@ def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_pat
     out = stages.sao_expert(cfg, "/no/such/checkpoint", envs, "code", tmp_path / "x", domain_reward=0.5,
                             constant=both)
     assert out["steps"] == 0 and out["checkpoint"] == "/no/such/checkpoint"
-    assert "every task pattern's warm rollouts earned a single reward" in out["skipped"]
+    assert "every task pattern's warm rollouts earned (nearly) a single reward" in out["skipped"]
     assert out["constant_patterns"] == both
     with pytest.raises(FileNotFoundError):  # one pattern with signal left: the expert trains (loads its checkpoint)
         stages.sao_expert(cfg, "/no/such/checkpoint", envs, "code", tmp_path / "y", domain_reward=0.5,
