@@ -7,9 +7,9 @@ result comes back through Pipes (a message, and the child's own report of the ma
 as the materialisation's `result` JSON metadata, with absolute paths; each asset reads its parents' results
 from there (`_upstream`). Copies under `<run_root>/iteration-N/*.json` are for people and `temper run`.
 
-Iteration N's warm start is iteration N−1's OPD student, read from the `policy` asset, which iteration N−1's
-evaluation records (a partition cannot depend on an earlier partition of the same dynamic partitions), and
-shown as `parent_checkpoint` metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
+Iteration N's warm start is what iteration N−1 hands off (`hand_off`: its OPD student if it became the
+champion, else its own warm start), read from the `policy` asset, which iteration N−1's evaluation records (a
+partition cannot depend on an earlier partition of the same dynamic partitions), and shown as `parent_checkpoint` metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
@@ -198,18 +198,23 @@ def hack_probes(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
                                metadata={"accepted_probe_hits": out["accepted_probe_hits"]})
 
 
-def _previous_student(context: dg.AssetExecutionContext, iteration: str) -> str | None:
-    """Iteration N−1's student, read from the `policy` asset: evaluation records each iteration's student there,
-    so the graph shows the N−1 → N edge (evaluation ⇢ policy → warm_start)."""
+def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str) -> tuple[str | None, str]:
+    """What iteration N−1 hands to this iteration, read from the `policy` asset (evaluation records each
+    iteration's student, its warm start and whether it became the champion there, so the graph shows the N−1 → N
+    edge: evaluation ⇢ policy → warm_start), chosen by the `hand_off` rule (`stages.hand_off`)."""
+    import stages
+
     prev = str(int(iteration) - 1)
     if int(prev) < 1:
-        return None
+        return None, "none"
     res = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=POLICY_KEY), limit=1000)
     for rec in res.records:  # newest first: a repaired iteration's latest student wins
         meta = rec.asset_materialization.metadata
         if meta.get("iteration") is not None and str(meta["iteration"].value) == prev:
-            return meta["checkpoint"].value
-    raise dg.Failure(f"iteration {iteration} starts from iteration {prev}'s student, which is not materialised "
+            student = meta["checkpoint"].value
+            ws = meta["warm_start"].value if "warm_start" in meta else student  # records from before the rule
+            return stages.hand_off(rule, student, ws, bool(meta["champion"].value))
+    raise dg.Failure(f"iteration {iteration} starts from what iteration {prev} hands off, which is not materialised "
                      f"(no `policy` record for iteration {prev}: run iteration {prev} to its evaluation first)")
 
 
@@ -218,12 +223,15 @@ def _domain_metrics(prefix: str, domains: dict) -> dict:
 
 
 @_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs, POLICY_KEY], retry_policy=LONG_STEP_RETRY,
-          description="The policy this iteration starts from: SFT warm start (iteration 1) or the previous student")
+          description="The policy this iteration starts from: the base (iteration 1) or what iteration N−1 "
+                      "hands off (`hand_off`: the champion by default)")
 def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    parent = _previous_student(context, it)
+    parent, why = _handed_off(context, it, temper.config().hand_off)
+    if parent:
+        context.log.info(f"warm start: iteration {int(it) - 1} hands off {why}: {parent}")
     out, reported = _stage(context, pipes, temper, sandbox, trainer, "warm_start",
                            envs=_upstream(context, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
     _save(d, "warm_start", out)
@@ -231,7 +239,8 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                   {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]},
                   live=True)
     where = {"base": f"none (the shipped base {out['checkpoint']})", "sft": "none (SFT from scratch)"}
-    return _materialize(reported, out, {**meta, "parent_checkpoint": parent or where[out["source"]]})
+    return _materialize(reported, out, {**meta, "parent_checkpoint": parent or where[out["source"]],
+                                          "hand_off": why if parent else "none (iteration 1)"})
 
 
 @_asset(stage="rollout_batches", kinds=("pytorch", "duckdb"), deps=[warm_start, verified_envs], pool="duckdb_writer",
@@ -386,9 +395,11 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.finish(run)
     out.update(registered=reg)
     _save(d, "evaluation", out)
-    # hand the student to the next iteration: iteration N+1's warm start reads this record
+    # hand off to the next iteration: iteration N+1's warm start reads this record and picks the student or this
+    # iteration's warm start by its `hand_off` rule
     context.log_event(dg.AssetMaterialization(POLICY_KEY, description=f"iteration {it}'s student", metadata={
         "iteration": int(it), "checkpoint": dg.MetadataValue.path(str(Path(out["student"]).resolve())),
+        "warm_start": dg.MetadataValue.path(str(Path(ws).resolve())),
         "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
         "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
         "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
@@ -408,8 +419,9 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
 POLICY = dg.AssetSpec(POLICY_KEY, group_name="iteration", owners=OWNERS, kinds={"python", "pytorch"},
                       code_version=_code_version(evaluation.op.compute_fn.decorated_fn, "evaluation"),
                       description="The policy one iteration hands to the next: iteration N's evaluation records its "
-                                  "student here (materialisation metadata: iteration, checkpoint), and iteration "
-                                  "N+1's warm start reads it")
+                                  "student here (materialisation metadata: iteration, checkpoint, warm_start, "
+                                  "champion), and iteration N+1's warm start picks the student or N's warm start by "
+                                  "`hand_off`")
 
 ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation,
               POLICY]

@@ -58,7 +58,7 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,
                iteration=iteration)
-    return {"evaluation": ev, "seconds": secs, "student": student["checkpoint"],
+    return {"evaluation": ev, "seconds": secs, "student": student["checkpoint"], "warm_start": ws["checkpoint"],
             "rollout_reward": {d: v["mean_reward"] for d, v in scored.items()},
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
 
@@ -82,12 +82,17 @@ def run_seed(seed: int, args) -> list[dict]:
         torch.set_num_threads(max(1, torch.get_num_threads() // args.jobs))
     say = lambda m: print(f"[seed {seed}] {m}", flush=True)  # noqa: E731
     cfg = seed_config(args.preset, args.override, seed)
-    parent, out = None, []
+    parent, out, best = None, [], -1.0
     for it in range(1, args.iterations + 1):
         say(f"iteration {it}")
         r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
+        ev = r["evaluation"]
+        moved = bool(ev["significant"]) and ev["pass@1_after"] > best  # the pipeline's champion rule
+        best = ev["pass@1_after"] if moved else best
+        parent, why = stages.hand_off(cfg.hand_off, r["student"], r["warm_start"], moved)
+        r.update(champion_moved=moved, hand_off=why)
+        say(f"  hands off {why}")
         out.append(r)
-        parent = r["student"]
     return out
 
 

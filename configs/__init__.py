@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -39,6 +39,11 @@ class IterationConfig(BaseModel):
     base: BaseConfig = BaseConfig()
     trainer: TrainerConfig = TrainerConfig()
     seed: int = 0
+    # what iteration N hands to iteration N+1 as its warm start. "champion": its student only if it became the
+    # champion (a significant paired gain over its warm start, at a pass@1 above the champion's); otherwise its own
+    # warm start carries over, and N+1 retries from it on fresh RL environments, so a regressed student never
+    # becomes a starting point. "student": the student, whatever it scored
+    hand_off: Literal["champion", "student"] = "champion"
 
 
 def preset_names() -> list[str]:

@@ -68,7 +68,7 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         "env_specs": "",
         "verified_envs": f"{ver.get('accepted', 0)}/{ver.get('total', 0)} environments admitted",
         "warm_start": {"base": f"the shipped base {ws.get('checkpoint')}", "sft": f"{ws.get('sft_steps', 0)} SFT steps",
-                       "previous student": f"from {ws.get('parent')}"}.get(ws.get("source", ""), ""),
+                       "previous iteration": f"handed off: {ws.get('parent')}"}.get(ws.get("source", ""), ""),
         "rollout_batches": f"{ro.get('trajectories', 0)} trajectories, {ro.get('tokens', 0):,} tokens, "
                            f"mean reward {ro.get('mean_reward', 0):.2f}",
         "sao_experts": ", ".join(f"{d}: skipped" if v.get("skipped") else f"{d}: {v.get('steps', 0)} steps"

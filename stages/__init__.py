@@ -226,9 +226,23 @@ def check_base(ckpt: Path) -> dict:
     return card
 
 
+def hand_off(rule: str, student: str, warm_start: str, champion_moved: bool) -> tuple[str, str]:
+    """The checkpoint iteration N hands to N+1 as its warm start, and why (`hand_off` in the config): under
+    "champion", the student only if it became the champion, else N's own warm start; under "student", the
+    student."""
+    if rule == "student":
+        return student, "its student (hand_off: student)"
+    if rule != "champion":
+        raise ValueError(f"hand_off: {rule!r} is not one of 'champion', 'student'")
+    if champion_moved:
+        return student, "its student, the new champion"
+    return warm_start, ("its warm start: its student did not become the champion (no significant gain), so the "
+                        "next iteration retries from the same policy on fresh environments")
+
+
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics,
                train_backend=None) -> dict:
-    """The policy this iteration starts from: iteration N−1's student, else the shipped base checkpoint
+    """The policy this iteration starts from: what iteration N−1 handed off (`hand_off`), else the shipped base checkpoint
     (`base.checkpoint`), else — only when a preset has no base — SFT from scratch for `train.max_steps` steps on
     oracle trajectories (resumable from `out/state`; under torchrun when `trainer.world_size > 1`, every rank
     training on its share of each batch, rank 0 saving)."""
@@ -243,8 +257,8 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     from trainers.sft import oracle_trajectories, sft_batches
 
     if parent_checkpoint:
-        log(f"warm start: iteration N−1's student {parent_checkpoint}")
-        return {"checkpoint": parent_checkpoint, "parent": parent_checkpoint, "source": "previous student",
+        log(f"warm start: iteration N−1's hand-off {parent_checkpoint}")
+        return {"checkpoint": parent_checkpoint, "parent": parent_checkpoint, "source": "previous iteration",
                 "sft_steps": 0, "resumed_from_step": 0}
     if cfg.base.checkpoint:
         ckpt = resolve_base(cfg.base.checkpoint)

@@ -46,8 +46,8 @@ def test_lineage_is_the_data_flow():
             reads[fn.name] = {c.args[1].value for c in ast.walk(fn) if isinstance(c, ast.Call)
                               and ast.unparse(c.func) == "_upstream" and isinstance(c.args[1], ast.Constant)}
             assert "_load" not in ast.unparse(fn)  # no side-file reads
-            if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_previous_student" for c in ast.walk(fn)):
-                reads[fn.name].add("policy")  # iteration N−1's student, from the `policy` records
+            if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_handed_off" for c in ast.walk(fn)):
+                reads[fn.name].add("policy")  # what iteration N−1 hands off, from the `policy` records
     graph = defs.resolve_asset_graph()
     declared = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                 for k in graph.get_all_asset_keys()}
@@ -89,10 +89,16 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert mats["verified_envs"].materialization.metadata["sandbox"].value == "bwrap"
     ws2 = {e.asset_key.to_user_string(): e for e in r2.get_asset_materialization_events()}["warm_start"]
     parent = ws2.materialization.metadata["parent_checkpoint"].value
-    assert Path(parent).resolve() == Path(student1).resolve()  # iteration 2 starts from 1
     recs = instance.fetch_materializations(dg.AssetKey("policy"), limit=10).records
     assert [r.asset_materialization.metadata["iteration"].value for r in recs] == [2, 1]  # newest first
-    assert recs[1].asset_materialization.metadata["checkpoint"].value == str(Path(student1).resolve())
+    rec1 = recs[1].asset_materialization.metadata
+    assert rec1["checkpoint"].value == str(Path(student1).resolve())
+    assert rec1["warm_start"].value == str(Path(ws_meta["checkpoint"].value).resolve())
+    # iteration 2 starts from iteration 1's student if it became the champion, else from iteration 1's warm start
+    moved1 = mats["evaluation"].materialization.metadata["champion_moved"].value
+    assert rec1["champion"].value == moved1
+    assert Path(parent).resolve() == Path(student1 if moved1 else ws_meta["checkpoint"].value).resolve()
+    assert ws2.materialization.metadata["hand_off"].value.startswith("its student" if moved1 else "its warm start")
     assert recs[1].run_id == r1.run_id  # recorded by iteration 1's run (its evaluation)
     from mlflow.tracking import MlflowClient
 

@@ -1,5 +1,7 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
+import pytest
+
 import configs
 import stages
 from envs.dataset import read_dataset
@@ -183,3 +185,17 @@ def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_pat
     with pytest.raises(FileNotFoundError):  # one pattern with signal left: the expert trains (loads its checkpoint)
         stages.sao_expert(cfg, "/no/such/checkpoint", envs, "code", tmp_path / "y", domain_reward=0.5,
                           constant={h1: 1.0})
+
+
+def test_hand_off_keeps_a_student_that_did_not_become_the_champion_out_of_the_next_iteration():
+    # "champion" (the default): the student only if it became the champion, else the iteration's own warm start
+    assert configs.load("tiny").hand_off == "champion"
+    assert stages.hand_off("champion", "s", "w", champion_moved=True)[0] == "s"
+    ckpt, why = stages.hand_off("champion", "s", "w", champion_moved=False)
+    assert ckpt == "w" and why.startswith("its warm start")
+    # "student": the student, whatever it scored
+    assert stages.hand_off("student", "s", "w", champion_moved=False)[0] == "s"
+    with pytest.raises(ValueError, match="hand_off"):
+        stages.hand_off("best", "s", "w", True)
+    with pytest.raises(configs.ConfigError, match="hand_off"):
+        configs.load("tiny", ["hand_off=best"])
