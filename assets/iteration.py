@@ -9,7 +9,8 @@ from there (`_upstream`). Copies under `<run_root>/iteration-N/*.json` are for p
 
 Iteration N's warm start is what iteration N−1 hands off (`hand_off`: its OPD student if it became the
 champion, else its own warm start), read from the `policy` asset, which iteration N−1's evaluation records (a
-partition cannot depend on an earlier partition of the same dynamic partitions), and shown as `parent_checkpoint` metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
+partition cannot depend on an earlier partition of the same dynamic partitions), and shown as `parent_checkpoint`
+metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
@@ -352,10 +353,15 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                teacher_urls=teacher_urls if experts else None, quarantine=quarantine)
     _save(d, "opd_student", out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
-    meta = _track(temper, it, "opd_student", out, {"steps": out["steps"]},
+    gate = out.get("gate") or {}
+    meta = _track(temper, it, "opd_student", out,
+                  {"steps": out["steps"], **{f"gate_{d}_{w}": g[w] for d, g in gate.items() for w in ("expert", "warm_start")}},
                   {"checkpoint": out["checkpoint"], "student_init": out.get("init", "warm_start"),
-                   **{f"teacher_{k}": v for k, v in experts.items()}}, live=True)
-    return _materialize(reported, out, meta)
+                   **{f"teacher_{k}": v for k, v in out.get("teachers", {}).items()}}, live=True)
+    left_out = {d: f"{g['expert']:.2f} vs warm start {g['warm_start']:.2f} ({g['gained']} gained / {g['lost']} lost "
+                   f"of {g['n']} validation tasks)" for d, g in gate.items() if not g["teaches"]}
+    return _materialize(reported, out, {**meta, "teachers": ", ".join(sorted(out.get("teachers", {}))) or "none",
+                                        "teachers_left_out": dg.MetadataValue.json(left_out) if left_out else "none"})
 
 
 @_asset(stage="evaluation", kinds=("pytorch", "mlflow"),

@@ -199,12 +199,14 @@ def main() -> None:
                 "grpo": "sync GRPO"}[method]
         rows.append([name, _ms(col("stale_share")),
                      f"{_ms(col('reward_kept'), '.2f')} / {_ms(col('reward_stale'), '.2f')}",
-                     f"{_ms(col('len_kept'), '.0f')} / {_ms(col('len_stale'), '.0f')}", _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
+                     f"{_ms(col('len_kept'), '.0f')} / {_ms(col('len_stale'), '.0f')}",
+                     _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
                      _ms(col("lag_mean_received"), ".2f"), _ms(col("updates"), ".1f"), _ms(col("final_reward")),
                      _ms(col("reward_std")), _ms(col("max_kl")), _ms(col("pass@1")), f"{sum(col('seconds')):.0f}"])
     _table(f"staleness ablation on {args.preset}: {args.steps} steps, seeds {args.seeds}, push every update, "
           f"τ in policy versions (pass@1 before: {base:.2f}; mean ± std over seeds)",
-          ["config", "stale share", "reward kept / dropped", "tokens kept / dropped", "lag mean (trained)", "lag max (trained)", "lag mean (received)", "updates",
+          ["config", "stale share", "reward kept / dropped", "tokens kept / dropped", "lag mean (trained)",
+           "lag max (trained)", "lag mean (received)", "updates",
            "final reward", "reward std", "max |KL|", "pass@1 after", "seconds"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(runs, indent=1))

@@ -21,9 +21,14 @@ class EnvConfig(BaseModel):
     # environments SFT has memorised, RL reinforces remembered answers instead of the skill. 0: RL reuses
     # the SFT set.
     n_rl: int = Field(default=0, ge=0)
+    # validation tasks of the held-out patterns, fresh every iteration and never one of the held-out tasks: OPD
+    # checks each domain expert against the warm start on them before it teaches (`opd.gate_teachers`), so model
+    # selection never reads the held-out set. 0: no validation set
+    n_val: int = Field(default=0, ge=0)
     seed: int = 0
     eval_seed: int = 10_007
     rl_seed: int = 20_011
+    val_seed: int = 30_013
     sandbox: Literal["auto", "bwrap", "docker", "unsafe-subprocess"] = "auto"
     probes: bool = True
     mine_every: int = Field(default=1, gt=0)  # the trajectory miner reads every k-th rewarded rollout (1: all)

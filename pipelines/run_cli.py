@@ -73,7 +73,9 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
                            f"mean reward {ro.get('mean_reward', 0):.2f}",
         "sao_experts": ", ".join(f"{d}: skipped" if v.get("skipped") else f"{d}: {v.get('steps', 0)} steps"
                                  for d, v in sao.items()),
-        "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps",
+        "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps" + "".join(
+            f"; {d} expert left out ({g['expert']:.2f} vs {g['warm_start']:.2f} on validation)"
+            for d, g in (load('opd_student').get('gate') or {}).items() if not g["teaches"]),
         "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
     }
     for st in STAGES:

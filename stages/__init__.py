@@ -135,11 +135,18 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
     from envs.dataset import write_dataset
     from envs.generator import generate
 
-    e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + ITERATION_SEED_STRIDE * (iteration - 1),
-                                    "rl_seed": cfg.envs.rl_seed + ITERATION_SEED_STRIDE * (iteration - 1)})
-    held = write_dataset(generate(e.held_out_patterns, e.n_eval, e.eval_seed), out / "eval", {"seed": e.eval_seed})
+    off = ITERATION_SEED_STRIDE * (iteration - 1)
+    e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + off, "rl_seed": cfg.envs.rl_seed + off,
+                                    "val_seed": cfg.envs.val_seed + off})
+    held_specs = generate(e.held_out_patterns, e.n_eval, e.eval_seed)
+    held = write_dataset(held_specs, out / "eval", {"seed": e.eval_seed})
     res = {"train": None, "eval": str(out / "eval"), "n_train": 0, "n_eval": held["n"], "n_rl": 0,
            "families": {}, "eval_families": held["families"], "eval_sha256": held["sha256"]}
+    if e.n_val:  # model selection's own tasks: the same patterns as the held-out set, none of its tasks
+        seen = {_task_content(s) for s in held_specs}
+        val_specs = [s for s in generate(e.held_out_patterns, e.n_val, e.val_seed) if _task_content(s) not in seen]
+        val = write_dataset(val_specs, out / "val", {"seed": e.val_seed, "held_out_removed": e.n_val - len(val_specs)})
+        res.update(val=str(out / "val"), n_val=val["n"], val_sha256=val["sha256"])
     if e.n_train or not e.n_rl:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
         train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
         res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])
@@ -147,6 +154,11 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
         rl = write_dataset(generate(e.rl_source_patterns, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
         res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
     return res
+
+
+def _task_content(spec) -> str:
+    """What makes two tasks the same task, whatever their ids and seeds: the instruction and the files."""
+    return json.dumps([spec.family, spec.instruction, sorted(spec.files.items())])
 
 
 def rl_set(envs: dict) -> str:
@@ -189,7 +201,7 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     reports, reused = [r for r, _ in judged], sum(kept for _, kept in judged)
     log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted"
         + (f" ({reused} verdicts kept from an earlier attempt)" if reused else ""))
-    res: dict = {"eval": specs["eval"]}
+    res: dict = {"eval": specs["eval"], **({"val": specs["val"]} if specs.get("val") else {})}
     for k in sets:  # the last one is the set RL trains in: its domains get experts
         ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
         write_dataset(ok, out / k, {"validated_from": specs[k]})
@@ -644,6 +656,53 @@ def _mismatch_summary(hist: list[dict]) -> dict:
     return out
 
 
+def teacher_gate(cfg, warm: str, experts: dict[str, str], envs: dict, cache: Path | None = None,
+                 log=_quiet) -> dict:
+    """Each expert against the warm start, greedy, on its domain's validation tasks (`envs["val"]`), paired: it
+    teaches only if it solves more of the tasks the warm start fails than the reverse (`gained > lost`). Returns,
+    per domain, both pass@1s, the flips and `teaches`. Deterministic (greedy), so a resumed stage reads it back
+    from `cache`, written once."""
+    from envs.dataset import read_dataset
+    from envs.sandbox import make_sandbox
+    from model import ByteTokenizer, load_checkpoint
+    from trainers.sft import evaluate
+
+    key = {"warm": str(Path(warm).resolve()), "experts": {d: str(Path(p).resolve()) for d, p in experts.items()},
+           "val": envs["val"]}
+    if cache is not None and cache.exists():
+        kept = json.loads(cache.read_text())
+        if kept.get("key") == key:
+            return kept["gate"]
+    tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
+    val = [s for s in read_dataset(envs["val"]) if s.domain in experts]
+
+    def rewards(ckpt: str, specs) -> list[float]:
+        ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, n_slots=cfg.loop.n_slots,
+                      concurrency=cfg.loop.batch_in_flight)
+        return [t.reward for t in ev["trajectories"]]
+
+    base = dict(zip((s.id for s in val), rewards(warm, val)))
+    gate = {}
+    for dom, ckpt in sorted(experts.items()):
+        mine = [s for s in val if s.domain == dom]
+        got = rewards(ckpt, mine)
+        was = [base[s.id] for s in mine]
+        gained = sum(1 for a, b in zip(was, got) if b > a)
+        lost = sum(1 for a, b in zip(was, got) if b < a)
+        n = max(1, len(mine))
+        gate[dom] = {"n": len(mine), "warm_start": sum(was) / n, "expert": sum(got) / n, "gained": gained,
+                     "lost": lost, "teaches": gained > lost}
+        log(f"OPD gate: {dom} expert {gate[dom]['expert']:.2f} vs warm start {gate[dom]['warm_start']:.2f} on "
+            f"{len(mine)} validation tasks ({gained} gained / {lost} lost): "
+            + ("teaches" if gained > lost else "left out, the student keeps the warm start there"))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "gate": gate}))
+        tmp.replace(cache)
+    return gate
+
+
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet, metrics=_no_metrics,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
                 iteration: int = 0, teacher_urls: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
@@ -651,7 +710,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     The student's episodes run on the rollout backend (servers at `urls`, else in-process), which gets the
     student after every step; every trajectory and its consuming step go to the store. With `teacher_urls`
     the teachers score on those servers (`/generate` input log-probs; the next teacher prefetched into an idle
-    server), else in this process."""
+    server), else in this process. With a validation set and `opd.gate_teachers`, an expert that does not beat
+    the warm start on its domain's validation tasks (`teacher_gate`) neither teaches nor joins the merge."""
     import torch
 
     from envs.dataset import read_dataset
@@ -663,10 +723,16 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     from trainers.opd import OPDTrainer
     from trainers.teachers import TeacherPool
 
+    gate: dict = {}
+    if experts and cfg.opd.gate_teachers and envs.get("val"):
+        gate = teacher_gate(cfg, init, experts, envs, out / "gate.json", log)
+        experts = {d: p for d, p in experts.items() if gate[d]["teaches"]}
     if not experts:  # every domain was skipped: nothing to distil, the student is the warm start
-        log("OPD: no domain experts this iteration; the student is the warm start")
+        why = ("no expert beat the warm start on its validation tasks" if gate else
+               "no domain experts (every domain was skipped)")
+        log(f"OPD: {why}; the student is the warm start")
         return {"checkpoint": init, "steps": 0, "teachers": {}, "resumed_from_step": 0, "reverse_kl": [],
-                "skipped": "no domain experts (every domain was skipped)"}
+                "skipped": why, "gate": gate}
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     dp = make_train_backend(cfg.trainer)
@@ -737,7 +803,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         pool.close()
     save_checkpoint(dp.export(student), out / "checkpoint", policy_version=2)
     return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "resumed_from_step": start,
-            "init": cfg.opd.init, "merged_from": merged_from,
+            "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,
             **_mismatch_summary(hist)}

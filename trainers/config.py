@@ -84,6 +84,10 @@ class OPDConfig(BaseModel):
     # distillation starts near every teacher at once instead of having to rebuild each one's gain
     init: Literal["warm_start", "merged"] = "warm_start"
     merge_scale: float = Field(default=1.0, gt=0, le=1)
+    # with a validation set (`envs.n_val`), an expert teaches (and joins the merge) only if, greedy on its domain's
+    # validation tasks, it solves more of those the warm start fails than the reverse; a domain whose expert does
+    # not is left out of distillation (the student keeps the warm start there), with the counts in the result
+    gate_teachers: bool = True
 
 
 class LoopConfig(BaseModel):

@@ -30,6 +30,7 @@ mode's free-running rollouts keep more in flight at the price of an order that d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -134,8 +135,8 @@ class RLLoop:
         t = self.trainer
         # a batch generated ahead is not saved: a resumed run draws its environments again, on the saved weights
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
-                                   data_cursor=self._cursor - self._pending, critic=t.critic, critic_optimizer=getattr(t, "copt", None),
-                                   extra=extra, keep=keep)
+                                   data_cursor=self._cursor - self._pending, critic=t.critic,
+                                   critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep)
 
     def resume(self, state) -> None:
         """Continue from a `load_training_state` result: weights, optimisers, RNG, data cursor and policy version
@@ -183,10 +184,8 @@ class RLLoop:
 
     def _open_gate(self) -> None:
         if self._rloop is not None and self._gate is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the rollout thread's loop may have closed already
                 self._rloop.call_soon_threadsafe(self._gate.set)
-            except RuntimeError:  # the rollout thread's loop has already closed
-                pass
 
     def _rollouts(self) -> None:
         async def worker(agent: Agent):

@@ -199,3 +199,72 @@ def test_hand_off_keeps_a_student_that_did_not_become_the_champion_out_of_the_ne
         stages.hand_off("best", "s", "w", True)
     with pytest.raises(configs.ConfigError, match="hand_off"):
         configs.load("tiny", ["hand_off=best"])
+
+
+def test_the_validation_set_is_fresh_every_iteration_and_never_a_held_out_task(tmp_path):
+    cfg = configs.load("tiny", ["envs.n_rl=0", "envs.n_train=0", "envs.n_eval=60", "envs.n_val=60"])
+    one, two = (stages.env_specs(cfg, tmp_path / f"e{i}", iteration=i) for i in (1, 2))
+    held = {stages._task_content(s) for s in read_dataset(one["eval"])}
+    v1, v2 = ({stages._task_content(s) for s in read_dataset(x["val"])} for x in (one, two))
+    assert v1 and v2 and not v1 & held and not v2 & held
+    assert v1 != v2 and read_dataset(one["eval"])[0].id == read_dataset(two["eval"])[0].id  # val moves, eval does not
+    assert {s.family for s in read_dataset(one["val"])} == {s.family for s in read_dataset(one["eval"])}
+    # the same draw minus the held-out tasks it repeats (small task spaces repeat across seeds)
+    from envs.generator import generate
+
+    raw = generate(cfg.envs.held_out_patterns, 60, cfg.envs.val_seed)
+    assert one["n_val"] == sum(1 for s in raw if stages._task_content(s) not in held)
+    assert stages.verified_envs(cfg, one, tmp_path / "v")["val"] == one["val"]  # passed on, like the held-out set
+
+
+def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_path):
+    import torch
+
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+    from envs.sandbox import make_sandbox
+    from model import ByteTokenizer, Transformer, load_checkpoint, save_checkpoint
+    from trainers.sft import evaluate
+
+    cfg = configs.load("tiny")
+    base = str(stages.resolve_base(cfg.base.checkpoint))
+    torch.manual_seed(0)
+    save_checkpoint(Transformer(cfg.model), tmp_path / "random")  # solves nothing
+    rand = str(tmp_path / "random")
+    val = generate(["set-const?horizon=1", "calc-chain?horizon=1"], 8, 3)
+    write_dataset(val, tmp_path / "val")
+    envs = {"val": str(tmp_path / "val")}
+    code = [s for s in val if s.domain == "code"]
+    base_code = evaluate(load_checkpoint(base), code, ByteTokenizer(), make_sandbox(cfg.envs.sandbox), cfg.agent)
+    k = sum(t.reward for t in base_code["trajectories"])
+    assert k > 0  # the shipped base solves some one-constant edits
+
+    up = stages.teacher_gate(cfg, rand, {"code": base}, envs)["code"]
+    assert up == {"n": len(code), "warm_start": 0.0, "expert": k / len(code), "gained": k, "lost": 0, "teaches": True}
+    down = stages.teacher_gate(cfg, base, {"code": rand}, envs)["code"]
+    assert (down["gained"], down["lost"], down["teaches"]) == (0, k, False)
+    same = stages.teacher_gate(cfg, rand, {"code": rand, "math": rand}, envs)
+    assert not same["code"]["teaches"] and not same["math"]["teaches"]  # a tie does not teach
+
+    # in OPD: a worse expert is left out (of the merge too); with none left, the student is the warm start
+    spec_envs = {**envs, "rl": str(tmp_path / "val"), "train": None}
+    opd = stages.opd_student(configs.load("tiny", ["opd.init=merged"]), base, {"code": rand}, spec_envs,
+                             tmp_path / "s")
+    assert opd["checkpoint"] == base and opd["steps"] == 0 and opd["gate"]["code"]["teaches"] is False
+    assert "validation" in opd["skipped"]
+    # the verdict is kept: a resumed stage reads it back instead of evaluating again
+    import trainers.sft
+
+    def boom(*a, **kw):
+        raise AssertionError("evaluated again")
+
+    real, trainers.sft.evaluate = trainers.sft.evaluate, boom
+    try:
+        again = stages.opd_student(configs.load("tiny"), base, {"code": rand}, spec_envs, tmp_path / "s")
+    finally:
+        trainers.sft.evaluate = real
+    assert again["gate"] == opd["gate"]
+    # without a validation set (or with the gate off) every expert teaches
+    off = stages.opd_student(configs.load("tiny", ["opd.gate_teachers=false", "opd.steps=0"]), base, {"code": rand},
+                             spec_envs, tmp_path / "s2")
+    assert off["gate"] == {} and off["teachers"] == {"code": rand}
