@@ -145,8 +145,18 @@ def cmd_run(args) -> int:
                                                       "run_id": res.run_id}, indent=1))
     if not res.success:
         _mark_failed(run_root, it)
-    again = (f"again: [bold]make run[/] (iteration {int(it) + 1} starts from this student)" if res.success else
-             f"again: [bold]make run[/] reruns iteration {it} from its last finished step")
+    if res.success:
+        import configs
+        import stages
+
+        ev = json.loads((run_dir / "evaluation.json").read_text())
+        ws = json.loads((run_dir / "warm_start.json").read_text())["checkpoint"]
+        rule = configs.load(args.preset, args.override).hand_off
+        _, why = stages.hand_off(rule, ev["student"], ws, bool(ev.get("registered", {}).get("champion_moved")))
+        again = (f"again: [bold]make run[/] (iteration {int(it) + 1} starts from what iteration {it} hands off: "
+                 f"{why.split(':')[0]})")
+    else:
+        again = f"again: [bold]make run[/] reruns iteration {it} from its last finished step"
     con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'}.\n"
               f"Next: [bold]make ui[/] → Dagster http://127.0.0.1:3000 (assets, lineage, this run) · "
               f"MLflow http://127.0.0.1:5000 (curves, the `temper-student` model and its champion alias).\n"
