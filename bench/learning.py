@@ -24,7 +24,7 @@ from common import table
 
 import stages
 from configs import load
-from trainers.stats import binom_two_sided, paired_delta_ci
+from trainers.stats import binom_two_sided, moves_champion, paired_delta_ci
 
 SEED_STRIDE = 104_729
 
@@ -82,12 +82,12 @@ def run_seed(seed: int, args) -> list[dict]:
         torch.set_num_threads(max(1, torch.get_num_threads() // args.jobs))
     say = lambda m: print(f"[seed {seed}] {m}", flush=True)  # noqa: E731
     cfg = seed_config(args.preset, args.override, seed)
-    parent, out, best = None, [], -1.0
+    parent, out, best = None, [], None
     for it in range(1, args.iterations + 1):
         say(f"iteration {it}")
         r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
         ev = r["evaluation"]
-        moved = bool(ev["significant"]) and ev["pass@1_after"] > best  # the pipeline's champion rule
+        moved = moves_champion(ev["significant"], ev["pass@1_after"], best)
         best = ev["pass@1_after"] if moved else best
         parent, why = stages.hand_off(cfg.hand_off, r["student"], r["warm_start"], moved)
         r.update(champion_moved=moved, hand_off=why)

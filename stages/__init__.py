@@ -851,8 +851,13 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
 
     after = run(student, held, "student")
     log(f"student pass@1 {after['pass@1']:.3f} {after['domain']}")
-    before = run(baseline, held, "warm_start")
-    log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
+    if Path(student).resolve() == Path(baseline).resolve():  # OPD had no teacher: greedy play would repeat itself
+        before = after
+        consumption += [{**c, "consumer": "eval:warm_start"} for c in list(consumption)]
+        log("warm start: the student itself (no expert taught), its episodes count for both")
+    else:
+        before = run(baseline, held, "warm_start")
+        log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
 
     def by_domain(ev):
         d = defaultdict(list)

@@ -159,7 +159,9 @@ class Tracker:
             best = float(champ.tags.get("pass_at_1", "-1"))
         except Exception:  # noqa: BLE001 - no champion yet
             best = -1.0
-        moved = bool(significant) and score > best
+        from trainers.stats import moves_champion
+
+        moved = moves_champion(significant, score, best)
         if moved:
             self.client.set_registered_model_alias(name, "champion", mv.version)
         why = ("beats the champion significantly" if moved else "no significant gain over its warm start"

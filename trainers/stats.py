@@ -85,3 +85,9 @@ def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> di
 
 def significant_gain(test: dict, alpha: float = 0.05) -> bool:
     return test["gained"] > test["lost"] and test["p_value"] < alpha
+
+
+def moves_champion(significant: bool, score: float, best: float | None) -> bool:
+    """The `champion` rule: a student takes the alias only with a significant gain over its warm start and a
+    pass@1 above the current champion's (`best`; None: no champion yet)."""
+    return bool(significant) and (best is None or score > best)

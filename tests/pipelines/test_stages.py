@@ -1,5 +1,7 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
+from pathlib import Path
+
 import pytest
 
 import configs
@@ -268,3 +270,39 @@ def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_pat
     off = stages.opd_student(configs.load("tiny", ["opd.gate_teachers=false", "opd.steps=0"]), base, {"code": rand},
                              spec_envs, tmp_path / "s2")
     assert off["gate"] == {} and off["teachers"] == {"code": rand}
+
+
+def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start(tmp_path):
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+    from trainers.stats import moves_champion
+
+    # a significant gain and a score above the champion's; with no champion yet, the gain alone
+    assert moves_champion(True, 0.5, 0.4) and moves_champion(True, 0.1, None)
+    assert not moves_champion(True, 0.4, 0.4) and not moves_champion(False, 0.9, None)
+    # when OPD had no teacher the student is the warm start: played once, counted for both, every flip zero
+    import trainers.sft
+
+    cfg = configs.load("tiny")
+    base = str(stages.resolve_base(cfg.base.checkpoint))
+    write_dataset(generate(["set-const?horizon=1", "calc-chain?horizon=1"], 6, 11), tmp_path / "eval")
+    calls, real = [], trainers.sft.evaluate
+
+    def counted(*a, **kw):
+        calls.append(len(a[1]))
+        return real(*a, **kw)
+
+    trainers.sft.evaluate = counted
+    try:
+        ev = stages.evaluation(cfg, base, str(Path(base) / "."), {"eval": str(tmp_path / "eval")},
+                               store_path=tmp_path / "t.duckdb", iteration=2)
+    finally:
+        trainers.sft.evaluate = real
+    assert calls == [6] and ev["pass@1_before"] == ev["pass@1_after"] > 0
+    assert ev["gained"] == ev["lost"] == 0 and ev["p_value"] == 1.0
+    from store import TrajectoryStore
+
+    with TrajectoryStore(tmp_path / "t.duckdb", read_only=True) as st:
+        rows = st.consumption("eval")
+    by = {c: sorted(r["trajectory_id"] for r in rows if r["consumer"] == c) for c in ("eval:student", "eval:warm_start")}
+    assert len(by["eval:student"]) == 6 and by["eval:student"] == by["eval:warm_start"]
