@@ -1,14 +1,21 @@
-"""One domain's SAO expert from the shipped base under a list of override sets, each against the base on the same
-fresh held-out tasks of that domain (more of them than the pipeline's 80 per domain, for power).
+"""One domain's SAO expert from a warm start (the shipped base by default) under a list of override sets, each against
+the warm start on the same held-out tasks, greedy, paired.
 
     python bench/expert_levers.py --domain reasoning --lever default --lever "loop.steps=20" \
         --lever "sao.lr=4e-4 loop.steps=20" --n-eval 240
 
-The environments (`tiny`'s RL set, gated) and the base's rollouts of them are made once under `--work` and reused by
-every lever, as the pipeline's `rollout_batches` makes them: each lever's expert pre-trains its critic on them, then
-runs `loop.steps` SAO steps on its in-process engine (`stages.sao_expert`, the pipeline's own stage function). The
-held-out tasks are fresh instances of the domain's `eval_patterns` (seed `--eval-seed`); greedy pass@1 with a 95%
-Wilson interval, the tasks that flipped each way and the exact McNemar p-value against the base.
+The environments (`tiny`'s RL set of `--iteration`, gated) and the warm start's rollouts of them are made once under
+`--work` and reused by every lever, as the pipeline's `rollout_batches` makes them: each lever's expert pre-trains its
+critic on them, then runs `loop.steps` SAO steps on its in-process engine (`stages.sao_expert`, the pipeline's own
+stage function). The held-out tasks are fresh instances of the domain's `eval_patterns` (seed `--eval-seed`,
+`--n-eval` of them); with `--all-domains`, the pipeline's own held-out set instead (`envs.n_eval`, every domain), so
+a lever's cost on the domains the expert does not train on shows too. Greedy pass@1 with a 95% Wilson interval, the
+tasks that flipped each way and the exact McNemar p-value against the warm start.
+
+Iteration 2 of `make run` (its warm start is iteration 1's student), every domain measured:
+
+    python bench/expert_levers.py --domain reasoning --warm runs/pipeline/iteration-0001/student/checkpoint \
+        --iteration 2 --all-domains --work runs/levers-it2 --lever default --lever "sao.kl_coef=0.2"
 """
 
 from __future__ import annotations
@@ -28,24 +35,31 @@ from trainers.stats import compare, wilson
 BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 
 
-def prepare(work: Path, say) -> tuple[dict, dict]:
-    """(envs, {trajectory id: domain}) of the base's rollouts on the gated RL set, made once under `work`."""
+def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1) -> tuple[dict, dict]:
+    """(envs, {trajectory id: domain}) of the warm start's rollouts on the gated RL set of `iteration`, made once
+    under `work`."""
     from rollout.backend import embedded_servers
 
     cfg = load("tiny")
     done = work / "prepared.json"
     if done.exists():
         d = json.loads(done.read_text())
+        if d.get("key", {"warm": str(BASE.resolve()), "iteration": 1}) != {"warm": str(warm.resolve()),
+                                                                           "iteration": iteration}:
+            raise SystemExit(f"{work} was prepared for another warm start or iteration ({d.get('key')}): "
+                             "give another --work")
         return d["envs"], d["rollouts"]
     t = time.perf_counter()
-    envs = stages.verified_envs(cfg, stages.env_specs(cfg, work / "envs", 1), work / "verified")
+    envs = stages.verified_envs(cfg, stages.env_specs(cfg, work / "envs", iteration), work / "verified")
     with embedded_servers(cfg.model, n=1, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8,
                           seed=cfg.seed) as urls:
-        ro = stages.rollout_batches(cfg, str(BASE), envs, work / "store.duckdb", 1, urls)
-    scored = stages.rewards(work / "store.duckdb", 1, ro["trajectory_ids"])
+        ro = stages.rollout_batches(cfg, str(warm), envs, work / "store.duckdb", iteration, urls)
+    scored = stages.rewards(work / "store.duckdb", iteration, ro["trajectory_ids"])
     rollouts = {i: d for d, v in scored["domains"].items() for i in v["ids"]}
-    done.write_text(json.dumps({"envs": envs, "rollouts": rollouts}, default=str))
-    say(f"prepared {envs['accepted']} environments and their base rollouts in {time.perf_counter() - t:.0f} s: "
+    done.write_text(json.dumps({"envs": envs, "rollouts": rollouts, "domain_reward": {
+        d: v["mean_reward"] for d, v in scored["domains"].items()},
+        "key": {"warm": str(warm.resolve()), "iteration": iteration}}, default=str))
+    say(f"prepared {envs['accepted']} environments and their warm start's rollouts in {time.perf_counter() - t:.0f} s: "
         + ", ".join(f"{d} {v['mean_reward']:.3f}" for d, v in scored["domains"].items()))
     return envs, rollouts
 
@@ -55,25 +69,44 @@ def main() -> None:
     ap.add_argument("--domain", required=True, choices=["code", "math", "reasoning"])
     ap.add_argument("--lever", action="append", required=True,
                     help='space-separated overrides, or "default" (repeat the flag for each lever)')
+    ap.add_argument("--warm", default=str(BASE), help="the checkpoint the expert starts from (default: the base)")
+    ap.add_argument("--iteration", type=int, default=1, help="whose RL set (fresh per iteration) to train on")
+    ap.add_argument("--all-domains", action="store_true",
+                    help="score on the pipeline's held-out set, every domain, instead of fresh tasks of --domain")
     ap.add_argument("--n-eval", type=int, default=240)
     ap.add_argument("--eval-seed", type=int, default=777)
     ap.add_argument("--work", default="runs/expert_levers")
     a = ap.parse_args()
+    from envs.dataset import read_dataset
     from envs.generator import generate
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint
     from trainers.sft import evaluate
 
-    work = Path(a.work)
+    work, warm = Path(a.work), Path(a.warm)
     work.mkdir(parents=True, exist_ok=True)
-    envs, rollouts = prepare(work, print)
+    envs, rollouts = prepare(work, print, warm, a.iteration)
     cfg0 = load("tiny")
-    fams = {"code": ("set-const",), "math": ("calc-chain",), "reasoning": ("kv-lookup",)}[a.domain]
-    held = generate([p for p in cfg0.envs.eval_patterns if p.split("?")[0] in fams], a.n_eval, a.eval_seed)
+    if a.all_domains:
+        held = read_dataset(envs["eval"])
+    else:
+        fams = {"code": ("set-const",), "math": ("calc-chain",), "reasoning": ("kv-lookup",)}[a.domain]
+        held = generate([p for p in cfg0.envs.eval_patterns if p.split("?")[0] in fams], a.n_eval, a.eval_seed)
+    domains = sorted({s.domain for s in held}, key=lambda d: (d != a.domain, d))  # the trained domain first
     tok, sb = ByteTokenizer(), make_sandbox(cfg0.envs.sandbox)
-    base = [t.reward for t in evaluate(load_checkpoint(BASE), held, tok, sb, cfg0.agent)["trajectories"]]
-    lo, hi = wilson(int(sum(base)), len(base))
-    rows = [["base", "", f"{sum(base) / len(base):.3f} [{lo:.2f}, {hi:.2f}]", "", "", "", ""]]
+
+    def by_domain(ckpt) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {d: [] for d in domains}
+        for s, t in zip(held, evaluate(load_checkpoint(ckpt), held, tok, sb, cfg0.agent)["trajectories"]):
+            out[s.domain].append(t.reward)
+        return out
+
+    def cell(xs) -> str:
+        lo, hi = wilson(int(sum(xs)), len(xs))
+        return f"{sum(xs) / len(xs):.3f} [{lo:.2f}, {hi:.2f}]"
+
+    base = by_domain(warm)
+    rows = [["warm start", "", *(cell(base[d]) for d in domains), "", "", ""]]
     ids = [i for i, d in rollouts.items() if d == a.domain]
     for lever in a.lever:
         ov = [] if lever == "default" else lever.split()
@@ -83,19 +116,24 @@ def main() -> None:
         out.mkdir(parents=True)
         shutil.copy(work / "store.duckdb", out / "store.duckdb")  # each lever writes its own copy of the store
         t = time.perf_counter()
-        r = stages.sao_expert(cfg, str(BASE), envs, a.domain, out / "expert", domain_reward=None, iteration=1,
-                              store_path=out / "store.duckdb", warm_rollouts=ids)
+        r = stages.sao_expert(cfg, str(warm), envs, a.domain, out / "expert", domain_reward=None,
+                              iteration=a.iteration, store_path=out / "store.duckdb", warm_rollouts=ids)
         secs = time.perf_counter() - t
-        after = [t.reward for t in evaluate(load_checkpoint(r["checkpoint"]), held, tok, sb, cfg.agent)["trajectories"]]
-        test = compare({a.domain: base}, {a.domain: after})[a.domain]["test"]
-        lo, hi = wilson(int(sum(after)), len(after))
-        rows.append([lever, str(r["steps"]), f"{sum(after) / len(after):.3f} [{lo:.2f}, {hi:.2f}]",
+        after = by_domain(r["checkpoint"])
+        tests = compare(base, after)
+        cells = [f"{cell(after[d])} {tests[d]['test']['gained']} / {tests[d]['test']['lost']}" for d in domains]
+        key = "all" if len(domains) > 1 else a.domain
+        test = tests[key]["test"]
+        rows.append([lever, str(r["steps"]), *cells,
                      f"{test['delta']:+.3f} [{test['delta_ci95'][0]:+.3f}, {test['delta_ci95'][1]:+.3f}]",
-                     f"{test['gained']} / {test['lost']}", f"{test['p_value']:.3f}", f"{secs:.0f}"])
+                     f"{test['p_value']:.3f}", f"{secs:.0f}"])
         print(json.dumps({"domain": a.domain, "lever": lever, "steps": r["steps"], "skipped": r.get("skipped"),
-                          "after": after, "base": base, "test": test}), flush=True)
-    table(f"{a.domain} expert vs the base, {len(held)} paired held-out tasks (greedy)",
-          ["lever", "SAO steps", "pass@1 [95% CI]", "Δ [95% CI]", "gained / lost", "p (exact McNemar)", "SAO s"], rows)
+                          "after": after, "base": base, "tests": {d: v["test"] for d, v in tests.items()}}),
+              flush=True)
+    overall = "every domain" if len(domains) > 1 else a.domain
+    table(f"{a.domain} expert vs its warm start, {len(held)} paired held-out tasks (greedy); per domain: pass@1 "
+          f"[95% CI] gained / lost",
+          ["lever", "SAO steps", *domains, f"Δ {overall} [95% CI]", "p (exact McNemar)", "SAO s"], rows)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def _no_metrics(values: dict[str, float], step: int) -> None:
     """Where a training stage reports each step's metrics as it trains (the Pipes child logs them to MLflow)."""
 
 
-SAO_CURVES = ("batch_reward", "clip_frac", "kl", "entropy", "value_loss", "mismatch_fresh_mean", "mismatch_fresh_max")
+SAO_CURVES = ("batch_reward", "clip_frac", "kl", "kl_ref", "entropy", "value_loss", "mismatch_fresh_mean",
+              "mismatch_fresh_max")
 
 def _dump(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

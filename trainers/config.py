@@ -52,6 +52,14 @@ class SAOConfig(BaseModel):
     # False: one padded forward per micro-batch (faster on GPUs; ~1e-6 of numerics between the two sides)
     exact_rows: bool = True
     value_pretrain_steps: int = Field(default=50, ge=0)
+    # β of a KL penalty toward the policy the trainer started from (the iteration's warm start, kept frozen):
+    # β·k3 per trainable token, k3 = π_ref/π − log(π_ref/π) − 1 on the sampled tokens (DeepSeekMath's GRPO
+    # estimator), token-averaged like the policy loss. It holds the skills the reward does not watch (copying a
+    # number, a well-formed tool call) where one-rollout advantages on a sharp policy would wear them down. 0: off
+    kl_coef: float = Field(default=0.0, ge=0)
+    # parameters the actor update leaves as they are: shell-style patterns over parameter names, e.g.
+    # ["embed_tokens.*", "lm_head.*"] or ["layers.*.self_attn.*"]; every pattern must match some parameter
+    frozen: list[str] = Field(default_factory=list)
     # a domain whose rollout reward is outside [min, max] is skipped with a reason: with (nearly) every reward
     # equal there is no outcome signal to learn from, only the critic's noise
     min_domain_reward: float = Field(default=0.02, ge=0, le=1)

@@ -71,6 +71,14 @@ def policy_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, adv: torch.Tenso
     return loss, stats
 
 
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of k3 = π_ref/π − log(π_ref/π) − 1 over `mask`: an unbiased, non-negative estimate of
+    KL(π ‖ π_ref) on tokens sampled from π; its gradient (1 − π_ref/π)·∇log π pulls each token's log-prob
+    toward the reference's."""
+    d = (logp_ref.detach() - logp).clamp(-20, 20)
+    return _norm(d.exp() - d - 1.0, mask.float())
+
+
 def value_loss(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return 0.5 * _norm((values - targets) ** 2, mask.float())
 

@@ -26,7 +26,7 @@ from rollout.types import Trajectory
 
 from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by_segments
 from .config import SAOConfig
-from .rl_losses import LossConfig, policy_loss
+from .rl_losses import LossConfig, kl_penalty, policy_loss
 
 
 class Critic(nn.Module):
@@ -51,6 +51,24 @@ class Critic(nn.Module):
         h = self.body.norm(self.body.run(ids, logits=False).hidden)
         v = self.head(h).squeeze(-1)
         return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], 1)
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Stop the gradient of every parameter whose name matches one of the shell-style `patterns`; returns the
+    names frozen. A pattern that matches no parameter is an error (a typo would otherwise freeze nothing)."""
+    from fnmatch import fnmatchcase
+
+    names = [n for n, _ in getattr(model, "module", model).named_parameters()]
+    for pat in patterns:
+        if not any(fnmatchcase(n, pat) for n in names):
+            raise ValueError(f"sao.frozen: {pat!r} matches no parameter of the model (names look like {names[0]!r}, "
+                             f"{names[-1]!r})")
+    out = []
+    for n, p in getattr(model, "module", model).named_parameters():
+        if any(fnmatchcase(n, pat) for pat in patterns):
+            p.requires_grad_(False)
+            out.append(n)
+    return out
 
 
 @dataclass
@@ -130,13 +148,20 @@ class SAOTrainer:
         self.actor, self.cfg = actor, cfg or SAOConfig()
         self.lcfg = LossConfig(kind=self.cfg.loss, eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
                                clip=self.cfg.clip, tis_cap=self.cfg.tis_cap)
-        self.opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=self.cfg.lr,
-                                     betas=(0.9, 0.95), weight_decay=0.0)
         self.critic = None
-        if self.cfg.loss != "grpo":
+        if self.cfg.loss != "grpo":  # the critic copies the actor before any of the actor's parameters is frozen
             self.critic = critic or Critic(actor, self.cfg.freeze_critic_attention)
             self.copt = torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad],
                                           lr=self.cfg.critic_lr, weight_decay=0.0)
+        self.frozen = freeze(actor, self.cfg.frozen)
+        self.opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=self.cfg.lr,
+                                     betas=(0.9, 0.95), weight_decay=0.0)
+        self.ref = None  # the frozen starting policy of the KL penalty (a resumed trainer is built before its
+        if self.cfg.kl_coef > 0:  # weights are restored, so this is always the warm start)
+            self.ref = copy.deepcopy(getattr(actor, "module", actor)).eval()
+            self.ref.mtp_layers = nn.ModuleList()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
         self.steps = 0
         self.dropped = {"stale": 0, "crashed": 0, "empty": 0}
         self.outcomes: list[tuple[Trajectory, str]] = []  # of the last `select`
@@ -271,6 +296,12 @@ class SAOTrainer:
                 mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl],
                        current_version)
                 loss, st = policy_loss(lp, rows.logp_rollout[sl], adv[sl], m, self.lcfg)
+                if self.ref is not None:
+                    with torch.no_grad():
+                        lp_ref, _ = rows_logprobs(self.ref, rows.ids[sl], rows.lengths[sl], self.cfg.exact_rows)
+                    kl = kl_penalty(lp, lp_ref, m)
+                    loss = loss + self.cfg.kl_coef * kl
+                    st["kl_ref"] = float(kl.detach())
                 share = m.sum() / n  # per-micro-batch losses are token means: reweight to the batch mean
                 (loss * share).backward()
                 ent_sum += float((ent.detach() * m).sum())

@@ -9,7 +9,7 @@ import configs
 from model import Transformer
 from rollout.types import Segment, Trajectory
 from trainers.advantages import adaptive_lambda, gae, grpo_advantages, returns
-from trainers.rl_losses import LossConfig, band_mask, opd_advantage, policy_loss
+from trainers.rl_losses import LossConfig, band_mask, kl_penalty, opd_advantage, policy_loss
 from trainers.sao import SAOConfig, SAOTrainer, layout
 
 
@@ -192,3 +192,79 @@ def test_actor_lr_warmup_reaches_the_configured_lr():
     # Adam's first update moves a parameter by at most ~lr: the warmup's lr, not the configured one
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in tr.actor.named_parameters())
     assert 0 < moved <= 2.5e-4 * 1.01
+
+
+def test_kl_penalty_hand_computation():
+    p = torch.tensor([[0.5, 0.2, 0.9]])
+    q = torch.tensor([[0.25, 0.4, 0.1]])  # the reference's probabilities of the same tokens
+    logp = p.log().requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    kl = kl_penalty(logp, q.log(), mask)
+    # k3 = q/p − log(q/p) − 1 on the two trainable tokens, averaged: (0.5 − log 0.5 − 1 + 2 − log 2 − 1) / 2
+    assert float(kl) == pytest.approx((0.5 - math.log(0.5) - 1 + 2 - math.log(2) - 1) / 2, rel=1e-6)
+    kl.backward()
+    # d k3 / d log p = 1 − q/p: positive where p > q (pushes log p down), negative where p < q
+    torch.testing.assert_close(logp.grad, torch.tensor([[(1 - 0.5) / 2, (1 - 2.0) / 2, 0.0]]))
+
+
+def _token_gap(model, ref, ids, mask):
+    """Mean |log π(token) − log π_ref(token)| over the trainable tokens, from full forwards (not the trainer's
+    per-row path)."""
+    with torch.no_grad():
+        nxt = ids[:, 1:].unsqueeze(-1)
+        lp = torch.log_softmax(model(ids)[:, :-1].float(), -1).gather(-1, nxt).squeeze(-1)
+        lq = torch.log_softmax(ref(ids)[:, :-1].float(), -1).gather(-1, nxt).squeeze(-1)
+        m = mask[:, 1:].float()
+        return float(((lp - lq).abs() * m).sum() / m.sum())
+
+
+def test_sao_kl_anchor_pulls_the_actor_back_to_where_it_started():
+    import copy
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    actor = Transformer(cfg)
+    start = copy.deepcopy(actor)
+    trajs = [_traj([(torch.randint(0, 200, (16,)).tolist(), [0] * 6 + [1] * 10)], reward=0.0, versions=1)
+             for _ in range(4)]
+    rows = layout(trajs)
+    # rewards 0 and a zero-initialised critic that is never updated: every advantage is 0, so the KL term is the
+    # only gradient
+    tr = SAOTrainer(actor, SAOConfig(kl_coef=1.0, critic_updates=0, lr=3e-3, loss="tis"))
+    with torch.no_grad():  # the actor drifts after the trainer took its reference
+        for p in actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    drifted = copy.deepcopy(actor)
+    before = _token_gap(actor, start, rows.ids, rows.mask)
+    for _ in range(3):
+        st = tr.step(trajs, current_version=1)
+    after = _token_gap(actor, start, rows.ids, rows.mask)
+    assert st["updated"] and st["kl_ref"] > 0
+    assert after < 0.6 * before, (before, after)
+    for (n, p), q in zip(tr.ref.named_parameters(), start.parameters()):  # the reference never moves
+        assert torch.equal(p, q), n
+    # without the penalty the same batch has no gradient at all: no update, the drifted weights stay
+    tr0 = SAOTrainer(drifted, SAOConfig(kl_coef=0.0, critic_updates=0, lr=3e-3, loss="tis"))
+    w = copy.deepcopy(drifted.state_dict())
+    assert not tr0.step(trajs, current_version=1)["updated"] and tr0.ref is None
+    assert all(torch.equal(w[k], v) for k, v in drifted.state_dict().items())
+
+
+def test_frozen_parameters_stay_and_the_rest_move():
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    actor = Transformer(cfg)
+    tr = SAOTrainer(actor, SAOConfig(frozen=["embed_tokens.*", "layers.*.self_attn.*"], critic_updates=1, lr=1e-3,
+                                          loss="tis"))
+    assert "embed_tokens.weight" in tr.frozen and "lm_head.weight" not in tr.frozen
+    assert tr.critic.body.embed_tokens.weight.requires_grad  # the critic's copy is its own business
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    trajs = [_traj([(torch.randint(0, 200, (12,)).tolist(), [0] * 4 + [1] * 8)], reward=float(i % 2), versions=1)
+             for i in range(4)]
+    assert tr.step(trajs, current_version=1)["updated"]
+    moved = {n for n, p in actor.named_parameters() if not torch.equal(p, before[n])}
+    attn = {n for n in before if ".self_attn." in n}
+    assert "embed_tokens.weight" not in moved and not moved & attn
+    assert "lm_head.weight" in moved and any(".mlp." in n for n in moved)
+    with pytest.raises(ValueError, match=r"sao.frozen: 'embed\.\*' matches no parameter"):
+        SAOTrainer(Transformer(cfg), SAOConfig(frozen=["embed.*"]))
