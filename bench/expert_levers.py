@@ -56,9 +56,8 @@ def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1) -> tuple[dic
         ro = stages.rollout_batches(cfg, str(warm), envs, work / "store.duckdb", iteration, urls)
     scored = stages.rewards(work / "store.duckdb", iteration, ro["trajectory_ids"])
     rollouts = {i: d for d, v in scored["domains"].items() for i in v["ids"]}
-    done.write_text(json.dumps({"envs": envs, "rollouts": rollouts, "domain_reward": {
-        d: v["mean_reward"] for d, v in scored["domains"].items()},
-        "key": {"warm": str(warm.resolve()), "iteration": iteration}}, default=str))
+    done.write_text(json.dumps({"envs": envs, "rollouts": rollouts,
+                                "key": {"warm": str(warm.resolve()), "iteration": iteration}}, default=str))
     say(f"prepared {envs['accepted']} environments and their warm start's rollouts in {time.perf_counter() - t:.0f} s: "
         + ", ".join(f"{d} {v['mean_reward']:.3f}" for d, v in scored["domains"].items()))
     return envs, rollouts

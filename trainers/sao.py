@@ -58,16 +58,15 @@ def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     names frozen. A pattern that matches no parameter is an error (a typo would otherwise freeze nothing)."""
     from fnmatch import fnmatchcase
 
-    names = [n for n, _ in getattr(model, "module", model).named_parameters()]
+    params = list(getattr(model, "module", model).named_parameters())
     for pat in patterns:
-        if not any(fnmatchcase(n, pat) for n in names):
-            raise ValueError(f"sao.frozen: {pat!r} matches no parameter of the model (names look like {names[0]!r}, "
-                             f"{names[-1]!r})")
-    out = []
-    for n, p in getattr(model, "module", model).named_parameters():
-        if any(fnmatchcase(n, pat) for pat in patterns):
+        if not any(fnmatchcase(n, pat) for n, _ in params):
+            raise ValueError(f"sao.frozen: {pat!r} matches no parameter of the model (names look like "
+                             f"{params[0][0]!r}, {params[-1][0]!r})")
+    out = [n for n, _ in params if any(fnmatchcase(n, pat) for pat in patterns)]
+    for n, p in params:
+        if n in out:
             p.requires_grad_(False)
-            out.append(n)
     return out
 
 
@@ -284,12 +283,19 @@ class SAOTrainer:
         n = torch.tensor(n_global / self.backend.world_size)
         lr = self.lr_at(self.steps)
         updated = False
+        micro = range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows)
+        lp_ref = {}  # the frozen reference's log-probs: one forward per micro-batch, whatever the number of epochs
+        if self.ref is not None:
+            with torch.no_grad():
+                lp_ref = {i: rows_logprobs(self.ref, rows.ids[i:i + self.cfg.micro_rows],
+                                           rows.lengths[i:i + self.cfg.micro_rows], self.cfg.exact_rows)[0]
+                          for i in micro}
         for epoch in range(self.cfg.epochs):  # PPO-style passes over the batch; the ratio and band keep them safe
             self.opt.zero_grad(set_to_none=True)
             agg: dict[str, float] = {}
             ent_sum = 0.0
             mm = Mismatch()
-            for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
+            for i in micro:
                 sl = slice(i, i + self.cfg.micro_rows)
                 lp, ent = rows_logprobs(self.actor, rows.ids[sl], rows.lengths[sl], self.cfg.exact_rows)
                 m = rows.mask[sl]
@@ -297,9 +303,7 @@ class SAOTrainer:
                        current_version)
                 loss, st = policy_loss(lp, rows.logp_rollout[sl], adv[sl], m, self.lcfg)
                 if self.ref is not None:
-                    with torch.no_grad():
-                        lp_ref, _ = rows_logprobs(self.ref, rows.ids[sl], rows.lengths[sl], self.cfg.exact_rows)
-                    kl = kl_penalty(lp, lp_ref, m)
+                    kl = kl_penalty(lp, lp_ref[i], m)
                     loss = loss + self.cfg.kl_coef * kl
                     st["kl_ref"] = float(kl.detach())
                 share = m.sum() / n  # per-micro-batch losses are token means: reweight to the batch mean

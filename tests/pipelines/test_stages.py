@@ -1,6 +1,5 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
-from pathlib import Path
 
 import pytest
 
@@ -272,7 +271,7 @@ def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_pat
     assert off["gate"] == {} and off["teachers"] == {"code": rand}
 
 
-def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start(tmp_path):
+def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start(tmp_path, monkeypatch):
     from envs.dataset import write_dataset
     from envs.generator import generate
     from trainers.stats import moves_champion
@@ -292,12 +291,10 @@ def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start
         calls.append(len(a[1]))
         return real(*a, **kw)
 
-    trainers.sft.evaluate = counted
-    try:
-        ev = stages.evaluation(cfg, base, str(Path(base) / "."), {"eval": str(tmp_path / "eval")},
-                               store_path=tmp_path / "t.duckdb", iteration=2)
-    finally:
-        trainers.sft.evaluate = real
+    monkeypatch.setattr(trainers.sft, "evaluate", counted)
+    # the warm start spelled differently (a trailing slash): the same checkpoint on disk
+    ev = stages.evaluation(cfg, base, base + "/", {"eval": str(tmp_path / "eval")},
+                           store_path=tmp_path / "t.duckdb", iteration=2)
     assert calls == [6] and ev["pass@1_before"] == ev["pass@1_after"] > 0
     assert ev["gained"] == ev["lost"] == 0 and ev["p_value"] == 1.0
     from store import TrajectoryStore
