@@ -311,6 +311,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                  checkpoint=ws, envs=envs, domain=dom, out=str(d / "experts" / dom),
                                  domain_reward=scored.get(dom, {}).get("mean_reward"),
                                  warm_rollouts=scored.get(dom, {}).get("ids"),
+                                 replay_rollouts=[i for o, v in scored.items() if o != dom for i in v.get("ids", [])],
                                  quarantine=quarantined,
                                  urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                  iteration=int(it))

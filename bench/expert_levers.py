@@ -116,7 +116,8 @@ def main() -> None:
         shutil.copy(work / "store.duckdb", out / "store.duckdb")  # each lever writes its own copy of the store
         t = time.perf_counter()
         r = stages.sao_expert(cfg, str(warm), envs, a.domain, out / "expert", domain_reward=None,
-                              iteration=a.iteration, store_path=out / "store.duckdb", warm_rollouts=ids)
+                              iteration=a.iteration, store_path=out / "store.duckdb", warm_rollouts=ids,
+                              replay_rollouts=[i for i, d in rollouts.items() if d != a.domain])
         secs = time.perf_counter() - t
         after = by_domain(r["checkpoint"])
         tests = compare(base, after)

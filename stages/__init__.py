@@ -19,7 +19,7 @@ def _no_metrics(values: dict[str, float], step: int) -> None:
     """Where a training stage reports each step's metrics as it trains (the Pipes child logs them to MLflow)."""
 
 
-SAO_CURVES = ("batch_reward", "clip_frac", "kl", "kl_ref", "entropy", "value_loss", "mismatch_fresh_mean",
+SAO_CURVES = ("batch_reward", "clip_frac", "kl", "kl_ref", "replay_kl", "entropy", "value_loss", "mismatch_fresh_mean",
               "mismatch_fresh_max")
 
 def _dump(path: Path, obj) -> None:
@@ -507,7 +507,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
                domain_reward: float | None = None, urls: list[str] | None = None, router_url: str = "",
                store_path: Path | None = None, iteration: int = 0, warm_rollouts: list[str] | None = None,
                quarantine: list[str] | None = None, train_backend=None,
-               constant: dict[str, float] | None = None) -> dict:
+               constant: dict[str, float] | None = None, replay_rollouts: list[str] | None = None) -> dict:
     """SAO-train one domain's expert from `checkpoint`. Training state is saved atomically every
     `loop.save_every` steps under `out/state`; when that exists (a retried or resumed step), training
     continues from it instead of starting over. A domain whose rollout reward (`domain_reward`, from
@@ -524,7 +524,11 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     Task patterns whose warm rollouts (nearly) all earned one reward (`constant_patterns`, `sao.constant_pattern_*`) are
     left out of training: their environments are not rolled out and their warm rollouts are not trained on. They
-    are worked out once, before any torchrun re-launch (`constant`), so every rank drops the same ones."""
+    are worked out once, before any torchrun re-launch (`constant`), so every rank drops the same ones.
+
+    With `sao.replay_coef` > 0 the warm rollouts this expert does not train on are its replay anchor's rows
+    (`SAOTrainer.set_replay`): `replay_rollouts` (ids of the other domains' `rollout_batches` trajectories, from
+    `rewards`) and this domain's warm rollouts of its left-out patterns."""
     from envs.dataset import read_dataset
     from trainers.sft import pattern_key
 
@@ -536,7 +540,8 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         return under_torchrun("sao_expert", cfg, {
             "checkpoint": checkpoint, "envs": envs, "domain": domain, "out": out, "domain_reward": domain_reward,
             "urls": urls, "router_url": router_url, "store_path": store_path, "iteration": iteration,
-            "warm_rollouts": warm_rollouts, "quarantine": quarantine, "constant": constant}, out, log, metrics)
+            "warm_rollouts": warm_rollouts, "quarantine": quarantine, "constant": constant,
+            "replay_rollouts": replay_rollouts}, out, log, metrics)
     import torch
 
     from envs.sandbox import make_sandbox
@@ -556,12 +561,20 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         reason = (f"{domain}: every task pattern's warm rollouts earned (nearly) a single reward ({shown}): no outcome "
                   f"signal within a pattern (sao.constant_pattern_min {cfg.sao.constant_pattern_min}, "
                   f"sao.constant_pattern_share {cfg.sao.constant_pattern_share})")
+    left_out = {s.id for s in specs} - {s.id for s in kept}
     specs = kept
     if reason or cfg.loop.steps == 0:
         log(f"skipping the {domain} expert: {reason or 'loop.steps is 0'}")
         return {"checkpoint": checkpoint, "steps": 0, "domain": domain, "resumed_from_step": 0,
                 "skipped": reason or "loop.steps is 0", "rollout_reward": domain_reward,
                 "constant_patterns": constant}
+    replay = []
+    if cfg.sao.replay_coef > 0:  # every rank reads them: each anchors its share of every step's replay rows
+        replay = ([t for t in _read_warm(store_path, iteration, domain, warm_rollouts) if t.env_id in left_out]
+                  + _read_warm(store_path, iteration, None, replay_rollouts))
+        if not replay:
+            raise ValueError(f"sao.replay_coef is {cfg.sao.replay_coef} but the {domain} expert has no warm rollouts "
+                             "it does not train on to replay (pass replay_rollouts: the other domains' ids)")
     dp = train_backend or make_train_backend(cfg.trainer)
     main = dp.is_main
     model = dp.wrap(load_checkpoint(checkpoint))
@@ -576,7 +589,11 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     warm = [t for t in _read_warm(store_path, iteration, domain, warm_rollouts) if t.env_id in ids] \
         if state is None and main else []
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
-                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp)
+                  on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp,
+                  replay=replay)
+    if replay:
+        log(f"{domain}: replay anchor on {len(replay)} warm rollouts it does not train on "
+            f"({loop.replay_tokens} policy tokens, β {cfg.sao.replay_coef})")
     hist: list[dict] = []
     start = n0 = 0
     if state is not None:
@@ -618,12 +635,13 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "backend": backend.kind, "pushes": len(loop.pushes), "stored_trajectories": rec.written,
             "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
             "stored_consumption": rec.rows, "quarantined": sorted(quarantine or []), "constant_patterns": constant,
-            **_mismatch_summary(hist)}
+            "replay_rollouts": len(replay), "replay_tokens": loop.replay_tokens, **_mismatch_summary(hist)}
 
 
-def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[str] | None) -> list:
-    """This domain's warm-start rollouts, read back from the store. They must be what `rollout_batches` stored:
-    a missing id, another domain or another policy version is an error, not a silent skip."""
+def _read_warm(store_path: Path | None, iteration: int, domain: str | None, ids: list[str] | None) -> list:
+    """This domain's (`None`: any domain's) warm-start rollouts, read back from the store. They must be what
+    `rollout_batches` stored: a missing id, another domain or another policy version is an error, not a silent
+    skip."""
     if not ids or store_path is None:
         return []
     from store import TrajectoryStore
@@ -634,10 +652,10 @@ def _read_warm(store_path: Path | None, iteration: int, domain: str, ids: list[s
     if missing:
         raise ValueError(f"{len(missing)} warm rollout(s) are not in {store_path} for iteration {iteration}: "
                          f"{', '.join(missing[:5])}")
-    bad = [t.trajectory_id for t in trajs if t.domain != domain or
+    bad = [t.trajectory_id for t in trajs if (domain is not None and t.domain != domain) or
            (t.n_trainable and t.policy_versions() != (WARM_VERSION, WARM_VERSION))]
     if bad:
-        raise ValueError(f"warm rollouts {', '.join(bad[:5])} are not {domain} trajectories of the warm start "
+        raise ValueError(f"warm rollouts {', '.join(bad[:5])} are not {domain or 'the'} trajectories of the warm start "
                          f"(policy version {WARM_VERSION})")
     # in environment order, not the store's (the order they finished in): the critic's pre-training batches are
     # cut from this list, so the same seed gives the same critic on a busy machine and on a quiet one

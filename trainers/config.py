@@ -60,6 +60,13 @@ class SAOConfig(BaseModel):
     # parameters the actor update leaves as they are: shell-style patterns over parameter names, e.g.
     # ["embed_tokens.*", "lm_head.*"] or ["layers.*.self_attn.*"]; every pattern must match some parameter
     frozen: list[str] = Field(default_factory=list)
+    # β of a replay anchor (learning without forgetting): each step the actor is also pulled toward the warm start's
+    # whole next-token distribution, KL(π_warm ‖ π) summed over the vocabulary at the policy's own tokens, on
+    # `replay_rows` rows of warm-start rollouts the expert does not train on (the other domains', and this domain's
+    # left-out patterns), taken in turn. It holds what the reward does not watch on the inputs where it lives,
+    # and leaves the update free on this domain's. 0: off
+    replay_coef: float = Field(default=0.0, ge=0)
+    replay_rows: int = Field(default=8, gt=0)
     # a domain whose rollout reward is outside [min, max] is skipped with a reason: with (nearly) every reward
     # equal there is no outcome signal to learn from, only the critic's noise
     min_domain_reward: float = Field(default=0.02, ge=0, le=1)

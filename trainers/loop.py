@@ -55,7 +55,8 @@ class RLLoop:
     def __init__(self, actor: Transformer, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox,
                  agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
                  on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0,
-                 backend=None, consumer: str = "sao", train_backend=None, warm: list[Trajectory] | None = None):
+                 backend=None, consumer: str = "sao", train_backend=None, warm: list[Trajectory] | None = None,
+                 replay: list[Trajectory] | None = None):
         """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine).
         `train_backend`: the trainer's data-parallel runtime (trainers/backends.py). With several ranks, rank 0
         owns the rollout side (episodes, the batch queue, the weight pushes) and hands every batch to the other
@@ -63,13 +64,17 @@ class RLLoop:
         `warm`: trajectories the actor's current weights already generated (the iteration's `rollout_batches`,
         read back from the store). By `cfg.warm_rollouts` they pre-train the critic ("critic": the value
         pre-training's updates cycle through them a batch at a time), and are also the first training batch, all
-        at once ("train": one large, costly step), before any fresh rollout; "off" ignores them."""
+        at once ("train": one large, costly step), before any fresh rollout; "off" ignores them.
+        `replay`: warm-start trajectories this loop does not train on, the rows of the replay anchor
+        (`sao.replay_coef`; see `SAOTrainer.set_replay`). Every rank needs them, and the actor must still be the
+        warm start (a resumed loop is restored after it is built)."""
         from .backends import TorchBackend
 
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
         self.agent_cfg, self.cfg = agent_cfg, cfg or LoopConfig()
         self.dp = train_backend or TorchBackend()
         self.trainer = SAOTrainer(actor, sao_cfg, backend=self.dp)
+        self.replay_tokens = self.trainer.set_replay(list(replay or []))
         self.version, self.iteration = version, iteration
         self._own_backend = backend is None and self.dp.is_main
         if self.dp.is_main:

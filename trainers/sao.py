@@ -53,6 +53,11 @@ class Critic(nn.Module):
         return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], 1)
 
 
+def _next_logp(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """log π(· | prefix) over the vocabulary [B, T − 1, V]: position p predicts token p + 1."""
+    return model(ids).float()[:, :-1].log_softmax(-1)
+
+
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     """Stop the gradient of every parameter whose name matches one of the shell-style `patterns`; returns the
     names frozen. A pattern that matches no parameter is an error (a typo would otherwise freeze nothing)."""
@@ -161,6 +166,7 @@ class SAOTrainer:
             self.ref.mtp_layers = nn.ModuleList()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
+        self.replay: tuple[Rows, list[torch.Tensor]] | None = None  # `set_replay`
         self.steps = 0
         self.dropped = {"stale": 0, "crashed": 0, "empty": 0}
         self.outcomes: list[tuple[Trajectory, str]] = []  # of the last `select`
@@ -215,6 +221,40 @@ class SAOTrainer:
         batches is mostly noise; the warmup keeps those steps small."""
         w = self.cfg.warmup_steps
         return self.cfg.lr * min(1.0, (step + 1) / w) if w else self.cfg.lr
+
+    # ---- replay anchor ----------------------------------------------------------------------------
+    def set_replay(self, trajs: list[Trajectory]) -> int:
+        """Take `trajs` (warm-start rollouts this trainer does not train on) as the replay anchor's rows
+        (`sao.replay_coef`), with the actor's next-token distributions at their policy tokens as the reference.
+        Call it before any update (the reference is the actor as it is now; a resumed trainer is built on the
+        warm start and restored after). Returns the number of reference tokens (0: no anchor)."""
+        self.replay = None
+        trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
+        if self.cfg.replay_coef == 0 or not trajs:
+            return 0
+        rows = layout(trajs)
+        with torch.no_grad():
+            ref = [_next_logp(self.actor, rows.ids[i:i + 1, :n])[0][rows.mask[i, 1:n]]
+                   for i, n in enumerate(rows.lengths)]
+        self.replay = (rows, ref)
+        return sum(r.shape[0] for r in ref)
+
+    def _replay_backward(self) -> float:
+        """One replay micro-step: β·KL(π_ref ‖ π) summed over the vocabulary, token-averaged over the step's
+        `replay_rows` rows (every rank's share, as the policy loss), backpropagated. Returns this rank's mean KL."""
+        rows, ref = self.replay
+        k = self.cfg.replay_rows
+        pick = [(self.steps * k + j) % len(ref) for j in range(min(k, len(ref)))]  # in turn, resumable
+        n = sum(ref[i].shape[0] for i in pick) / self.backend.world_size
+        total = tokens = 0.0
+        for i in self._share(pick):
+            lr_ = ref[i]
+            lp = _next_logp(self.actor, rows.ids[i:i + 1, :rows.lengths[i]])[0][rows.mask[i, 1:rows.lengths[i]]]
+            kl = (lr_.exp() * (lr_ - lp)).sum()
+            (self.cfg.replay_coef * kl / max(n, 1.0)).backward()
+            total += float(kl.detach())
+            tokens += lr_.shape[0]
+        return total / max(tokens, 1.0)
 
     # ---- updates ----------------------------------------------------------------------------------
     def _share(self, trajs: list) -> list:
@@ -311,6 +351,8 @@ class SAOTrainer:
                 ent_sum += float((ent.detach() * m).sum())
                 for k, v in st.items():
                     agg[k] = agg.get(k, 0.0) + v * float(share)
+            if self.replay is not None:
+                agg["replay_kl"] = self._replay_backward()
             self.backend.all_reduce_grads(self.actor)
             gn = self.backend.clip_grad_norm(self.actor, self.cfg.grad_clip)
             if epoch == 0:  # the batch as the engines generated it: mismatch, entropy and band before any update

@@ -84,6 +84,20 @@ def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
         with pytest.raises(ValueError, match=f"not {dom} trajectories"):
             stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "x2", store_path=store,
                               iteration=2, warm_rollouts=scored["domains"][other]["ids"])
+    # the replay anchor: the other domains' warm rollouts (read back, any domain) are its rows
+    others = [i for d, v in scored["domains"].items() if d != dom for i in v["ids"]]
+    assert others, "the micro RL set has a single domain: nothing to replay"
+    replay = cfg.model_copy(update={"sao": cfg.sao.model_copy(update={"replay_coef": 1.0})})
+    out = stages.sao_expert(replay, str(tmp_path / "policy"), envs, dom, tmp_path / "r1", store_path=store,
+                            iteration=2, warm_rollouts=warm, replay_rollouts=others)
+    with TrajectoryStore(store, read_only=True) as st:
+        tokens = sum(max(0, sum(s.loss_mask[1:])) for t in st.read(2, ids=others)
+                     if t.status not in ("crashed", "aborted") for s in t.segments if s.tokens)
+    assert out["replay_rollouts"] == len(others) and out["replay_tokens"] == tokens > 0
+    assert out["curves"]["replay_kl"][0] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
+    with pytest.raises(ValueError, match="sao.replay_coef"):
+        stages.sao_expert(replay, str(tmp_path / "policy"), envs, dom, tmp_path / "r2", store_path=store,
+                          iteration=2, warm_rollouts=warm)
 
 
 def test_sglang_backend_needs_urls():

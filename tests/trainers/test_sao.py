@@ -268,3 +268,78 @@ def test_frozen_parameters_stay_and_the_rest_move():
     assert "lm_head.weight" in moved and any(".mlp." in n for n in moved)
     with pytest.raises(ValueError, match=r"sao.frozen: 'embed\.\*' matches no parameter"):
         SAOTrainer(Transformer(cfg), SAOConfig(frozen=["embed.*"]))
+
+
+def _replay_kl(model, ref, trajs) -> tuple[float, int]:
+    """Σ over the trajectories' policy tokens of KL(π_ref ‖ π) over the whole vocabulary, by hand, and the count."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for t in trajs:
+            for s in t.segments:
+                ids = torch.tensor([s.tokens])
+                p = torch.softmax(ref(ids)[0].double(), -1)
+                q = torch.log_softmax(model(ids)[0].double(), -1)
+                for pos in range(1, len(s.tokens)):  # logits at pos − 1 predict token pos
+                    if s.loss_mask[pos]:
+                        total += float((p[pos - 1] * (p[pos - 1].log() - q[pos - 1])).sum())
+                        n += 1
+    return total, n
+
+
+def test_replay_anchor_hand_computation_rows_in_turn_and_pull():
+    import copy
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    actor = Transformer(cfg)
+    start = copy.deepcopy(actor)
+    replay = [_traj([(torch.randint(0, 200, (n,)).tolist(), [0] * 5 + [1] * (n - 5))], reward=1.0, versions=1)
+              for n in (12, 16, 9)]
+    # the training batch: rewards 0 and a zero critic never updated, so every advantage is 0 and the anchor is the
+    # only gradient
+    trajs = [_traj([(torch.randint(0, 200, (14,)).tolist(), [0] * 6 + [1] * 8)], reward=0.0, versions=1)
+             for _ in range(4)]
+    tr = SAOTrainer(actor, SAOConfig(replay_coef=1.0, replay_rows=2, critic_updates=0, lr=3e-3, loss="tis"))
+    assert tr.set_replay(replay) == sum(_replay_kl(start, start, [t])[1] for t in replay) == 7 + 11 + 4
+    with torch.no_grad():  # the actor drifts after the trainer took its reference
+        for p in actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    before_all = _replay_kl(actor, start, replay)[0]
+    # step k anchors rows 2k, 2k + 1 (mod 3): step 0 rows 0 and 1; step 1 rows 2 and 0
+    for rows in ((0, 1), (2, 0)):
+        kl, n = _replay_kl(actor, start, [replay[i] for i in rows])
+        st = tr.step(trajs, current_version=1)
+        assert st["updated"] and st["replay_kl"] == pytest.approx(kl / n, rel=1e-4)
+    for _ in range(3):
+        tr.step(trajs, current_version=1)
+    after_all = _replay_kl(actor, start, replay)[0]
+    assert after_all < 0.6 * before_all, (before_all, after_all)
+    # β = 0: no anchor, no rows, and the same batch makes no update
+    tr0 = SAOTrainer(copy.deepcopy(start), SAOConfig(replay_coef=0.0, critic_updates=0, loss="tis"))
+    assert tr0.set_replay(replay) == 0 and tr0.replay is None
+    assert not tr0.step(trajs, current_version=1)["updated"]
+
+
+def test_replay_anchor_holds_the_replayed_inputs_while_the_batch_moves():
+    """With real advantages the actor moves on its batch; the anchor keeps its distribution on the replay rows near
+    the start, and the batch still moves."""
+    import copy
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(1)
+    base = Transformer(cfg)
+    replay = [_traj([(torch.randint(0, 200, (16,)).tolist(), [0] * 6 + [1] * 10)], reward=1.0, versions=1)
+              for _ in range(4)]
+    trajs = [_traj([(torch.randint(0, 200, (14,)).tolist(), [0] * 6 + [1] * 8)], reward=float(i % 2), versions=1)
+             for i in range(4)]
+    drift, moved = {}, {}
+    for beta in (0.0, 20.0):
+        actor = copy.deepcopy(base)
+        tr = SAOTrainer(actor, SAOConfig(replay_coef=beta, replay_rows=4, critic_updates=0, lr=3e-3, loss="tis"))
+        tr.set_replay(replay)
+        for _ in range(6):
+            assert tr.step(trajs, current_version=1)["updated"]
+        drift[beta] = _replay_kl(actor, base, replay)[0]
+        moved[beta] = _replay_kl(actor, base, trajs)[0]
+    assert drift[20.0] < 0.5 * drift[0.0], drift
+    assert moved[20.0] > 0.2 * moved[0.0], moved
