@@ -16,11 +16,15 @@ Iteration 2 of `make run` (its warm start is iteration 1's student), every domai
 
     python bench/expert_levers.py --domain reasoning --warm runs/pipeline/iteration-0001/student/checkpoint \
         --iteration 2 --all-domains --work runs/levers-it2 --lever default --lever "sao.kl_coef=0.2"
+
+`--interpolate 0.3,0.5,0.7` also scores each lever's expert pulled back toward its warm start in weight space,
+warm + a·(expert − warm) (WiSE-FT), on the same tasks.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import time
@@ -75,11 +79,16 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=240)
     ap.add_argument("--eval-seed", type=int, default=777)
     ap.add_argument("--work", default="runs/expert_levers")
+    ap.add_argument("--interpolate", default="",
+                    help="comma-separated a in (0, 1): also score warm + a·(expert − warm) of each lever (WiSE-FT)")
     a = ap.parse_args()
+    import torch
+
     from envs.dataset import read_dataset
     from envs.generator import generate
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint
+    from trainers.opd import merge_experts
     from trainers.sft import evaluate
 
     work, warm = Path(a.work), Path(a.warm)
@@ -96,7 +105,8 @@ def main() -> None:
 
     def by_domain(ckpt) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {d: [] for d in domains}
-        for s, t in zip(held, evaluate(load_checkpoint(ckpt), held, tok, sb, cfg0.agent)["trajectories"]):
+        model = ckpt if isinstance(ckpt, torch.nn.Module) else load_checkpoint(ckpt)
+        for s, t in zip(held, evaluate(model, held, tok, sb, cfg0.agent)["trajectories"]):
             out[s.domain].append(t.reward)
         return out
 
@@ -119,17 +129,25 @@ def main() -> None:
                               iteration=a.iteration, store_path=out / "store.duckdb", warm_rollouts=ids,
                               replay_rollouts=[i for i, d in rollouts.items() if d != a.domain])
         secs = time.perf_counter() - t
-        after = by_domain(r["checkpoint"])
-        tests = compare(base, after)
-        cells = [f"{cell(after[d])} {tests[d]['test']['gained']} / {tests[d]['test']['lost']}" for d in domains]
-        key = "all" if len(domains) > 1 else a.domain
-        test = tests[key]["test"]
-        rows.append([lever, str(r["steps"]), *cells,
-                     f"{test['delta']:+.3f} [{test['delta_ci95'][0]:+.3f}, {test['delta_ci95'][1]:+.3f}]",
-                     f"{test['p_value']:.3f}", f"{secs:.0f}"])
-        print(json.dumps({"domain": a.domain, "lever": lever, "steps": r["steps"], "skipped": r.get("skipped"),
-                          "after": after, "base": base, "tests": {d: v["test"] for d, v in tests.items()}}),
-              flush=True)
+        variants = [(lever, r["checkpoint"], f"{secs:.0f}")]
+        if a.interpolate:  # weight-space interpolation toward the warm start (WiSE-FT): no training, one evaluation
+            w, e = load_checkpoint(warm), load_checkpoint(r["checkpoint"])
+            ws, es = w.state_dict(), e.state_dict()
+            for x in (float(v) for v in a.interpolate.split(",")):
+                w.load_state_dict(merge_experts(ws, [es], x))
+                variants.append((f"{lever} @ {x:g}", copy.deepcopy(w), ""))
+        for name, ckpt, secs_ in variants:
+            after = by_domain(ckpt)
+            tests = compare(base, after)
+            cells = [f"{cell(after[d])} {tests[d]['test']['gained']} / {tests[d]['test']['lost']}" for d in domains]
+            key = "all" if len(domains) > 1 else a.domain
+            test = tests[key]["test"]
+            rows.append([name, str(r["steps"]), *cells,
+                         f"{test['delta']:+.3f} [{test['delta_ci95'][0]:+.3f}, {test['delta_ci95'][1]:+.3f}]",
+                         f"{test['p_value']:.3f}", secs_])
+            print(json.dumps({"domain": a.domain, "lever": name, "steps": r["steps"], "skipped": r.get("skipped"),
+                              "after": after, "base": base, "tests": {d: v["test"] for d, v in tests.items()}}),
+                  flush=True)
     overall = "every domain" if len(domains) > 1 else a.domain
     table(f"{a.domain} expert vs its warm start, {len(held)} paired held-out tasks (greedy); per domain: pass@1 "
           f"[95% CI] gained / lost",
