@@ -132,7 +132,8 @@ def main() -> None:
         variants = [(lever, r["checkpoint"], f"{secs:.0f}")]
         if a.interpolate:  # weight-space interpolation toward the warm start (WiSE-FT): no training, one evaluation
             w, e = load_checkpoint(warm), load_checkpoint(r["checkpoint"])
-            ws, es = w.state_dict(), e.state_dict()
+            ws = {k: v.clone() for k, v in w.state_dict().items()}  # a copy: loading below writes into w's own
+            es = e.state_dict()
             for x in (float(v) for v in a.interpolate.split(",")):
                 w.load_state_dict(merge_experts(ws, [es], x))
                 variants.append((f"{lever} @ {x:g}", copy.deepcopy(w), ""))
