@@ -126,7 +126,8 @@ class Agent:
         tid = trajectory_id or f"{spec.id}-{uuid.uuid4().hex[:10]}"
         timings = {"generate": 0.0, "env": 0.0, "verify": 0.0}
         segments: list[Segment] = []
-        status, error, reward, details, engine = "truncated", None, 0.0, {}, self.engine_name
+        # the engine is whichever one answered a generation: an episode that crashed before its first has none
+        status, error, reward, details, engine = "truncated", None, 0.0, {}, ""
         env = Environment(spec, self.sandbox)
         key = f"{cfg.seed}:{spec.id}:{iteration}" + (f":{sample}" if sample else "")
         seed = None if cfg.seed is None else zlib.crc32(key.encode())

@@ -103,8 +103,10 @@ def test_sao_against_two_server_processes(servers, tmp_path):
         info = httpx.get(u + "/get_model_info").json()
         assert info["weight_version"] == "3" and info["weights_checksum"] == weights_checksum(actor)
     assert all(p["workers"] == 2 and p["checksum_checked"] for p in loop.pushes)
-    # the router spread episodes over both processes
-    assert {t.engine for t in seen} == set(urls)
+    # the router spread episodes over both processes (an episode that crashed or was aborted before its first
+    # generation, as a loaded machine can make one, names no engine and is not counted)
+    assert {t.engine for t in seen if t.n_trainable} == set(urls)
+    assert all(t.engine in (*urls, "") for t in seen)
     # per-token versions: every generated token carries a version the trainer pushed, never a future one
     gen = [v for t in seen for s in t.segments for v, m in zip(s.versions, s.loss_mask) if m]
     assert set(gen) <= {0, 1, 2, 3} and 0 in gen
