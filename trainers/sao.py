@@ -248,12 +248,12 @@ class SAOTrainer:
         n = sum(ref[i].shape[0] for i in pick) / self.backend.world_size
         total = tokens = 0.0
         for i in self._share(pick):
-            lr_ = ref[i]
+            lref = ref[i]
             lp = _next_logp(self.actor, rows.ids[i:i + 1, :rows.lengths[i]])[0][rows.mask[i, 1:rows.lengths[i]]]
-            kl = (lr_.exp() * (lr_ - lp)).sum()
+            kl = (lref.exp() * (lref - lp)).sum()
             (self.cfg.replay_coef * kl / max(n, 1.0)).backward()
             total += float(kl.detach())
-            tokens += lr_.shape[0]
+            tokens += lref.shape[0]
         return total / max(tokens, 1.0)
 
     # ---- updates ----------------------------------------------------------------------------------
