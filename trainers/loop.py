@@ -75,6 +75,9 @@ class RLLoop:
         self.dp = train_backend or TorchBackend()
         self.trainer = SAOTrainer(actor, sao_cfg, backend=self.dp)
         self.replay_tokens = self.trainer.set_replay(list(replay or []))
+        if sao_cfg.replay_coef > 0 and not self.replay_tokens:  # an anchor asked for must not be silently off
+            raise ValueError(f"sao.replay_coef is {sao_cfg.replay_coef} but this loop has no replay rows (warm-start "
+                             "trajectories it does not train on, with policy tokens): pass `replay`, or set it to 0")
         self.version, self.iteration = version, iteration
         self._own_backend = backend is None and self.dp.is_main
         if self.dp.is_main:

@@ -236,6 +236,9 @@ class SAOTrainer:
         with torch.no_grad():
             ref = [_next_logp(self.actor, rows.ids[i:i + 1, :n])[0][rows.mask[i, 1:n]]
                    for i, n in enumerate(rows.lengths)]
+        # the order rows are taken in: a fixed shuffle, so each step's rows mix the domains and patterns instead of
+        # following the store's (environment) order; the same on every rank and after a resume
+        self.replay_order = torch.randperm(len(ref), generator=torch.Generator().manual_seed(0)).tolist()
         self.replay = (rows, ref)
         return sum(r.shape[0] for r in ref)
 
@@ -244,7 +247,8 @@ class SAOTrainer:
         `replay_rows` rows (every rank's share, as the policy loss), backpropagated. Returns this rank's mean KL."""
         rows, ref = self.replay
         k = self.cfg.replay_rows
-        pick = [(self.steps * k + j) % len(ref) for j in range(min(k, len(ref)))]  # in turn, resumable
+        order = self.replay_order
+        pick = [order[(self.steps * k + j) % len(ref)] for j in range(min(k, len(ref)))]  # in turn, resumable
         n = sum(ref[i].shape[0] for i in pick) / self.backend.world_size
         total = tokens = 0.0
         for i in self._share(pick):
@@ -324,6 +328,10 @@ class SAOTrainer:
         lr = self.lr_at(self.steps)
         updated = False
         micro = range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows)
+        # the replay anchor rides on an update; it never makes one alone: a GRPO batch whose groups all tied has no
+        # policy gradient and stays no update (decided from every kept trajectory, so every rank agrees)
+        anchor = self.replay is not None and (self.cfg.loss != "grpo" or any(
+            grpo_advantages([t.reward for t in kept], [t.env_id for t in kept])))
         lp_ref = {}  # the frozen reference's log-probs: one forward per micro-batch, whatever the number of epochs
         if self.ref is not None:
             with torch.no_grad():
@@ -351,7 +359,7 @@ class SAOTrainer:
                 ent_sum += float((ent.detach() * m).sum())
                 for k, v in st.items():
                     agg[k] = agg.get(k, 0.0) + v * float(share)
-            if self.replay is not None:
+            if anchor:
                 agg["replay_kl"] = self._replay_backward()
             self.backend.all_reduce_grads(self.actor)
             gn = self.backend.clip_grad_norm(self.actor, self.cfg.grad_clip)

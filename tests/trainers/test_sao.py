@@ -299,15 +299,36 @@ def test_replay_anchor_hand_computation_rows_in_turn_and_pull():
     # only gradient
     trajs = [_traj([(torch.randint(0, 200, (14,)).tolist(), [0] * 6 + [1] * 8)], reward=0.0, versions=1)
              for _ in range(4)]
-    tr = SAOTrainer(actor, SAOConfig(replay_coef=1.0, replay_rows=2, critic_updates=0, lr=3e-3, loss="tis"))
+    beta = 1.0
+    tr = SAOTrainer(actor, SAOConfig(replay_coef=beta, replay_rows=2, critic_updates=0, lr=3e-3, loss="tis"))
     assert tr.set_replay(replay) == sum(_replay_kl(start, start, [t])[1] for t in replay) == 7 + 11 + 4
+    order = tr.replay_order
+    assert sorted(order) == [0, 1, 2]  # a fixed shuffle of every row
     with torch.no_grad():  # the actor drifts after the trainer took its reference
         for p in actor.parameters():
             p.add_(0.05 * torch.randn_like(p))
     before_all = _replay_kl(actor, start, replay)[0]
-    # step k anchors rows 2k, 2k + 1 (mod 3): step 0 rows 0 and 1; step 1 rows 2 and 0
+    # the gradient's scale: β × the token mean of the KL over step 0's rows, by autograd on an independent copy
+    twin = copy.deepcopy(actor)
+    picked = [replay[order[0]], replay[order[1]]]
+    loss, n = 0.0, 0
+    for t in picked:
+        ids = torch.tensor([t.segments[0].tokens])
+        p = torch.softmax(start(ids)[0, :-1].detach(), -1)
+        q = torch.log_softmax(twin(ids)[0, :-1], -1)
+        m = torch.tensor(t.segments[0].loss_mask[1:], dtype=torch.bool)
+        loss = loss + (p[m] * (p[m].log() - q[m])).sum()
+        n += int(m.sum())
+    (beta * loss / n).backward()
+    actor.zero_grad(set_to_none=True)
+    tr._replay_backward()
+    for (name, a), b in zip(actor.named_parameters(), twin.parameters()):
+        if b.grad is not None:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7), name
+    actor.zero_grad(set_to_none=True)
+    # step k anchors rows order[2k], order[2k + 1] (mod 3): step 0 rows order[0], order[1]; step 1 order[2], order[0]
     for rows in ((0, 1), (2, 0)):
-        kl, n = _replay_kl(actor, start, [replay[i] for i in rows])
+        kl, n = _replay_kl(actor, start, [replay[order[i]] for i in rows])
         st = tr.step(trajs, current_version=1)
         assert st["updated"] and st["replay_kl"] == pytest.approx(kl / n, rel=1e-4)
     for _ in range(3):
@@ -318,6 +339,31 @@ def test_replay_anchor_hand_computation_rows_in_turn_and_pull():
     tr0 = SAOTrainer(copy.deepcopy(start), SAOConfig(replay_coef=0.0, critic_updates=0, loss="tis"))
     assert tr0.set_replay(replay) == 0 and tr0.replay is None
     assert not tr0.step(trajs, current_version=1)["updated"]
+    # the anchor never makes an update alone: GRPO groups that all tied stay no update, drift or not
+    drifted = copy.deepcopy(actor)
+    trg = SAOTrainer(drifted, SAOConfig(replay_coef=1.0, loss="grpo"))
+    trg.set_replay(replay)
+    with torch.no_grad():
+        for p in drifted.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    w = copy.deepcopy(drifted.state_dict())
+    st = trg.step([_traj([(t.segments[0].tokens, t.segments[0].loss_mask)], reward=1.0, versions=1, env=f"e{i // 2}")
+                   for i, t in enumerate(trajs)], current_version=1)
+    assert not st["updated"] and "replay_kl" not in st
+    assert all(torch.equal(w[k], v) for k, v in drifted.state_dict().items())
+
+
+def test_a_loop_asked_for_replay_without_rows_refuses():
+    from envs import make_sandbox
+    from envs.generator import generate
+    from model import ByteTokenizer
+    from rollout.agent import AgentConfig
+    from trainers.loop import LoopConfig, RLLoop
+
+    actor = Transformer(configs.load("micro").model)
+    with pytest.raises(ValueError, match="sao.replay_coef is 1.0 but this loop has no replay rows"):
+        RLLoop(actor, generate(["kv-lookup"], 2, seed=0), ByteTokenizer(), make_sandbox(), AgentConfig(),
+               SAOConfig(replay_coef=1.0), LoopConfig(), replay=[])
 
 
 def test_replay_anchor_holds_the_replayed_inputs_while_the_batch_moves():
