@@ -160,13 +160,13 @@ class SAOTrainer:
         self.frozen = freeze(actor, self.cfg.frozen)
         self.opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=self.cfg.lr,
                                      betas=(0.9, 0.95), weight_decay=0.0)
-        self.ref = None  # the frozen starting policy of the KL penalty (a resumed trainer is built before its
-        if self.cfg.kl_coef > 0:  # weights are restored, so this is always the warm start)
-            self.ref = copy.deepcopy(getattr(actor, "module", actor)).eval()
+        self.ref = None  # the frozen starting policy of the KL penalty and the replay anchor (a resumed trainer is
+        if self.cfg.kl_coef > 0 or self.cfg.replay_coef > 0:  # built before its weights are restored, so this is
+            self.ref = copy.deepcopy(getattr(actor, "module", actor)).eval()  # always the warm start)
             self.ref.mtp_layers = nn.ModuleList()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.replay: tuple[Rows, list[torch.Tensor]] | None = None  # `set_replay`
+        self.replay: Rows | None = None  # `set_replay`
         self.steps = 0
         self.dropped = {"stale": 0, "crashed": 0, "empty": 0}
         self.outcomes: list[tuple[Trajectory, str]] = []  # of the last `select`
@@ -225,35 +225,32 @@ class SAOTrainer:
     # ---- replay anchor ----------------------------------------------------------------------------
     def set_replay(self, trajs: list[Trajectory]) -> int:
         """Take `trajs` (warm-start rollouts this trainer does not train on) as the replay anchor's rows
-        (`sao.replay_coef`), with the actor's next-token distributions at their policy tokens as the reference.
-        Call it before any update (the reference is the actor as it is now; a resumed trainer is built on the
-        warm start and restored after). Returns the number of reference tokens (0: no anchor)."""
+        (`sao.replay_coef`). The reference is the frozen copy of the actor the trainer was built on (the warm
+        start), scored again on each step's rows: one model's memory, not a vocabulary-wide distribution per
+        stored token. Returns the number of anchored tokens (0: no anchor)."""
         self.replay = None
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
         if self.cfg.replay_coef == 0 or not trajs:
             return 0
         rows = layout(trajs)
-        with torch.no_grad():
-            ref = [_next_logp(self.actor, rows.ids[i:i + 1, :n])[0][rows.mask[i, 1:n]]
-                   for i, n in enumerate(rows.lengths)]
         # the order rows are taken in: a fixed shuffle, so each step's rows mix the domains and patterns instead of
         # following the store's (environment) order; the same on every rank and after a resume
-        self.replay_order = torch.randperm(len(ref), generator=torch.Generator().manual_seed(0)).tolist()
-        self.replay = (rows, ref)
-        return sum(r.shape[0] for r in ref)
+        self.replay_order = torch.randperm(len(rows.owner), generator=torch.Generator().manual_seed(0)).tolist()
+        self.replay = rows
+        return int(rows.mask.sum())
 
     def _replay_backward(self) -> float:
         """One replay micro-step: β·KL(π_ref ‖ π) summed over the vocabulary, token-averaged over the step's
         `replay_rows` rows (every rank's share, as the policy loss), backpropagated. Returns this rank's mean KL."""
-        rows, ref = self.replay
-        k = self.cfg.replay_rows
-        order = self.replay_order
-        pick = [order[(self.steps * k + j) % len(ref)] for j in range(min(k, len(ref)))]  # in turn, resumable
-        n = sum(ref[i].shape[0] for i in pick) / self.backend.world_size
+        rows, k, order = self.replay, self.cfg.replay_rows, self.replay_order
+        pick = [order[(self.steps * k + j) % len(order)] for j in range(min(k, len(order)))]  # in turn, resumable
+        n = float(sum(rows.mask[i].sum() for i in pick)) / self.backend.world_size
         total = tokens = 0.0
         for i in self._share(pick):
-            lref = ref[i]
-            lp = _next_logp(self.actor, rows.ids[i:i + 1, :rows.lengths[i]])[0][rows.mask[i, 1:rows.lengths[i]]]
+            ids, m = rows.ids[i:i + 1, :rows.lengths[i]], rows.mask[i, 1:rows.lengths[i]]
+            with torch.no_grad():
+                lref = _next_logp(self.ref, ids)[0][m]
+            lp = _next_logp(self.actor, ids)[0][m]
             kl = (lref.exp() * (lref - lp)).sum()
             (self.cfg.replay_coef * kl / max(n, 1.0)).backward()
             total += float(kl.detach())
@@ -333,7 +330,7 @@ class SAOTrainer:
         anchor = self.replay is not None and (self.cfg.loss != "grpo" or any(
             grpo_advantages([t.reward for t in kept], [t.env_id for t in kept])))
         lp_ref = {}  # the frozen reference's log-probs: one forward per micro-batch, whatever the number of epochs
-        if self.ref is not None:
+        if self.cfg.kl_coef > 0:
             with torch.no_grad():
                 lp_ref = {i: rows_logprobs(self.ref, rows.ids[i:i + self.cfg.micro_rows],
                                            rows.lengths[i:i + self.cfg.micro_rows], self.cfg.exact_rows)[0]
@@ -350,7 +347,7 @@ class SAOTrainer:
                 mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl],
                        current_version)
                 loss, st = policy_loss(lp, rows.logp_rollout[sl], adv[sl], m, self.lcfg)
-                if self.ref is not None:
+                if self.cfg.kl_coef > 0:
                     kl = kl_penalty(lp, lp_ref[i], m)
                     loss = loss + self.cfg.kl_coef * kl
                     st["kl_ref"] = float(kl.detach())
