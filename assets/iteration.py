@@ -294,6 +294,8 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
                       "read the domain's scored rollouts back from the store")
 def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                 sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
+    import stages
+
     it = context.partition_key
     d = temper.dir(it)
     envs, ws = _upstream(context, "verified_envs"), _upstream(context, "warm_start")["checkpoint"]
@@ -311,7 +313,7 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                  checkpoint=ws, envs=envs, domain=dom, out=str(d / "experts" / dom),
                                  domain_reward=scored.get(dom, {}).get("mean_reward"),
                                  warm_rollouts=scored.get(dom, {}).get("ids"),
-                                 replay_rollouts=[i for o, v in scored.items() if o != dom for i in v.get("ids", [])],
+                                 replay_rollouts=stages.replay_ids(scored, dom),
                                  quarantine=quarantined,
                                  urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                  iteration=int(it))

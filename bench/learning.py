@@ -54,7 +54,7 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
         experts[dom] = timed(f"sao_{dom}", stages.sao_expert, cfg, ws["checkpoint"], envs, dom, out / "experts" / dom,
                              domain_reward=scored.get(dom, {}).get("mean_reward"), iteration=iteration,
                              store_path=out / "store.duckdb", warm_rollouts=scored.get(dom, {}).get("ids"),
-                             replay_rollouts=[i for o, v in scored.items() if o != dom for i in v.get("ids", [])])
+                             replay_rollouts=stages.replay_ids(scored, dom))
     live = {d: e["checkpoint"] for d, e in experts.items() if e["steps"] > 0}
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,

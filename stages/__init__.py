@@ -533,9 +533,15 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     from trainers.sft import pattern_key
 
     specs = [s for s in read_dataset(rl_set(envs)) if s.domain == domain and s.id not in set(quarantine or ())]
+    read: list = []  # this domain's warm rollouts, read from the store at most once (`own_warm`)
+
+    def own_warm() -> list:
+        if not read:
+            read.append(_read_warm(store_path, iteration, domain, warm_rollouts))
+        return read[0]
+
     if constant is None:
-        constant = constant_patterns(specs, _read_warm(store_path, iteration, domain, warm_rollouts),
-                                     cfg.sao.constant_pattern_min, cfg.sao.constant_pattern_share)
+        constant = constant_patterns(specs, own_warm(), cfg.sao.constant_pattern_min, cfg.sao.constant_pattern_share)
     if cfg.trainer.world_size > 1 and train_backend is None:
         return under_torchrun("sao_expert", cfg, {
             "checkpoint": checkpoint, "envs": envs, "domain": domain, "out": out, "domain_reward": domain_reward,
@@ -570,7 +576,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
                 "constant_patterns": constant}
     replay = []
     if cfg.sao.replay_coef > 0:  # every rank reads them: each anchors its share of every step's replay rows
-        replay = ([t for t in _read_warm(store_path, iteration, domain, warm_rollouts) if t.env_id in left_out]
+        replay = ([t for t in own_warm() if t.env_id in left_out]
                   + _read_warm(store_path, iteration, None, replay_rollouts))
         if not replay:
             raise ValueError(f"sao.replay_coef is {cfg.sao.replay_coef} but the {domain} expert has no warm rollouts "
@@ -586,8 +592,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         if main else None
     rec = Recorder(store_path if main else None)
     ids = {s.id for s in specs}
-    warm = [t for t in _read_warm(store_path, iteration, domain, warm_rollouts) if t.env_id in ids] \
-        if state is None and main else []
+    warm = [t for t in own_warm() if t.env_id in ids] if state is None and main else []
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
                   on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp,
                   replay=replay)
@@ -636,6 +641,12 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "warm_rollouts": len(warm), "warm_rollouts_use": cfg.loop.warm_rollouts if warm else "none",
             "stored_consumption": rec.rows, "quarantined": sorted(quarantine or []), "constant_patterns": constant,
             "replay_rollouts": len(replay), "replay_tokens": loop.replay_tokens, **_mismatch_summary(hist)}
+
+
+def replay_ids(scored: dict, domain: str) -> list[str]:
+    """The ids of every other domain's warm rollouts in `rewards`' per-domain result: `domain`'s expert's
+    `replay_rollouts`."""
+    return [i for d, v in scored.items() if d != domain for i in v.get("ids", [])]
 
 
 def _read_warm(store_path: Path | None, iteration: int, domain: str | None, ids: list[str] | None) -> list:

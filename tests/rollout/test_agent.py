@@ -248,3 +248,16 @@ def test_sglang_string_weight_version_takes_the_pushed_version(sandbox):
 
     t = asyncio.run(Agent(Sgl(spec.reference, version=5), TOK, sandbox).run(spec))
     assert t.status == "completed" and t.policy_versions() == (5, 5)
+
+
+def test_an_episode_that_ends_before_any_generation_names_no_engine(sandbox, monkeypatch):
+    import rollout.agent
+
+    def boom(self):
+        raise OSError("reset failed")
+
+    spec = FAMILIES["kv-lookup"].make(3)
+    monkeypatch.setattr(rollout.agent.Environment, "reset", boom)
+    t = asyncio.run(Agent(Scripted(spec.reference), TOK, sandbox).run(spec))
+    assert t.status == "crashed" and "reset failed" in t.error and t.n_trainable == 0
+    assert t.engine == ""  # not the agent's default name: no engine answered
