@@ -39,11 +39,11 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from common import Figures, md_table  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import indexer as kix  # noqa: E402
-from kernels import mla as kmla  # noqa: E402
-from kernels import moe as kmoe  # noqa: E402
-from kernels import norm as knorm  # noqa: E402
+import temper_kernels as kernels  # noqa: E402
+from temper_kernels import indexer as kix  # noqa: E402
+from temper_kernels import mla as kmla  # noqa: E402
+from temper_kernels import moe as kmoe  # noqa: E402
+from temper_kernels import norm as knorm  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H200 dense bf16
 PEAK_GBS = 4800.0  # H200 HBM3e

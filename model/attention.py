@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
+import temper_kernels as kernels
+from temper_kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
 
 from .config import ModelConfig
 from .layers import FP32Linear, RMSNorm, apply_rope

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import temper_kernels as kernels
 
 from .config import ModelConfig
 

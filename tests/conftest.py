@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# kernels/: without a GPU the Triton kernels run in Triton's interpreter (numpy), which triton.jit picks when it
-# decorates, i.e. at import: set it before anything imports kernels. It changes nothing unless a test asks for
+# temper_kernels/: without a GPU the Triton kernels run in Triton's interpreter (numpy), which triton.jit picks when it
+# decorates, i.e. at import: set it before anything imports temper_kernels. It changes nothing unless a test asks for
 # the Triton backend (TEMPER_KERNELS=triton); on CPU tensors the dispatch picks the torch references.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import indexer as kix
-from kernels import mla as kmla
-from kernels import moe as kmoe
-from kernels import norm as knorm
+import temper_kernels as kernels
+from temper_kernels import indexer as kix
+from temper_kernels import mla as kmla
+from temper_kernels import moe as kmoe
+from temper_kernels import norm as knorm
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
 

@@ -4,7 +4,7 @@ ReLU (`index_score_relu`) and the hidden state MTP reads (`mtp_input`)."""
 import torch
 
 import configs
-from kernels.indexer import _indexer_topk_triton, indexer_topk_reference, scores_reference
+from temper_kernels.indexer import _indexer_topk_triton, indexer_topk_reference, scores_reference
 from model import ModelConfig, Transformer
 
 

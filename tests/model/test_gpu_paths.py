@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import temper_kernels as kernels
 from model import KVCache, ModelConfig, Transformer
 from model.layers import Rotary
 

@@ -1,4 +1,8 @@
-"""temper's GPU kernels (Triton), each beside its torch reference twin.
+"""temper's GPU kernels (Triton), each beside its torch reference twin: the `kernels` room.
+
+The package is `temper_kernels`, not `kernels`: Hugging Face's `kernels` package (a dependency of transformers
+from 5.25, imported by `transformers.activations`) owns that top-level name, and a project package of the same
+name would shadow it.
 
 Every op here has two implementations with one signature:
 
