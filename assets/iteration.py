@@ -364,6 +364,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     left_out = {d: f"{g['expert']:.2f} vs warm start {g['warm_start']:.2f} ({g['gained']} gained / {g['lost']} lost "
                    f"of {g['n']} validation tasks)" for d, g in gate.items() if not g["teaches"]}
     return _materialize(reported, out, {**meta, "teachers": ", ".join(sorted(out.get("teachers", {}))) or "none",
+                                        "anchored_to_warm_start": ", ".join(out.get("anchored", [])) or "none",
                                         "teachers_left_out": dg.MetadataValue.json(left_out) if left_out else "none"})
 
 

@@ -75,7 +75,8 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
                                  for d, v in sao.items()),
         "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps" + "".join(
             f"; {d} expert left out ({g['expert']:.2f} vs {g['warm_start']:.2f} on validation)"
-            for d, g in (load('opd_student').get('gate') or {}).items() if not g["teaches"]),
+            for d, g in (load('opd_student').get('gate') or {}).items() if not g["teaches"]) + "".join(
+            f"; the warm start teaches {d}" for d in load('opd_student').get('anchored', [])),
         "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
     }
     for st in STAGES:

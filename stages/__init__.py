@@ -733,6 +733,9 @@ def teacher_gate(cfg, warm: str, experts: dict[str, str], envs: dict, cache: Pat
     return gate
 
 
+WARM_TEACHER = "warm start"  # the teacher key of the domains OPD anchors to the warm start (not a domain's name)
+
+
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet, metrics=_no_metrics,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
                 iteration: int = 0, teacher_urls: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
@@ -741,7 +744,9 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     student after every step; every trajectory and its consuming step go to the store. With `teacher_urls`
     the teachers score on those servers (`/generate` input log-probs; the next teacher prefetched into an idle
     server), else in this process. With a validation set and `opd.gate_teachers`, an expert that does not beat
-    the warm start on its domain's validation tasks (`teacher_gate`) neither teaches nor joins the merge."""
+    the warm start on its domain's validation tasks (`teacher_gate`) neither teaches nor joins the merge. Under
+    `opd.untaught=warm_start` the warm start itself teaches every domain of the RL set left without an expert (the
+    result's `anchored`), so the other experts' deltas in the merged student are distilled back out of it there."""
     import torch
 
     from envs.dataset import read_dataset
@@ -762,7 +767,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
                "no domain experts (every domain was skipped)")
         log(f"OPD: {why}; the student is the warm start")
         return {"checkpoint": init, "steps": 0, "teachers": {}, "resumed_from_step": 0, "reverse_kl": [],
-                "skipped": why, "gate": gate}
+                "skipped": why, "gate": gate, "anchored": []}
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
     dp = make_train_backend(cfg.trainer)
@@ -779,14 +784,21 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         log(f"OPD: the student starts from the warm start + {cfg.opd.merge_scale:g} × the sum of "
             f"{len(merged_from)} expert delta(s)")
     student = dp.wrap(model)
-    specs = [s for s in read_dataset(rl_set(envs)) if s.domain in experts and s.id not in set(quarantine or ())]
+    specs = [s for s in read_dataset(rl_set(envs)) if s.id not in set(quarantine or ())]
+    teachers = dict(experts)  # teacher → its checkpoint; an expert's key is its domain
+    anchored = sorted({s.domain for s in specs} - set(experts)) if cfg.opd.untaught == "warm_start" else []
+    route = dict.fromkeys(anchored, WARM_TEACHER)  # every anchored domain shares one teacher: the warm start
+    if anchored:
+        teachers[WARM_TEACHER] = init
+        log(f"OPD: the warm start teaches {', '.join(anchored)} (no expert of its own: opd.untaught=warm_start)")
+    specs = [s for s in specs if s.domain in experts or s.domain in route]
     if teacher_urls:
         from rollout.backend import ServerTeacherPool
 
-        pool = ServerTeacherPool(experts, teacher_urls)
+        pool = ServerTeacherPool(teachers, teacher_urls)
     else:
-        pool = TeacherPool(experts, max_resident=1)
-    trainer = OPDTrainer(student, pool, cfg.opd, backend=dp)
+        pool = TeacherPool(teachers, max_resident=1)
+    trainer = OPDTrainer(student, pool, cfg.opd, backend=dp, route=route)
     start, hist = 0, []
     if resuming:
         state = restore(load_training_state(out / "state"), student, trainer.opt)
@@ -832,8 +844,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         backend.close()
         pool.close()
     save_checkpoint(dp.export(student), out / "checkpoint", policy_version=2)
-    return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "resumed_from_step": start,
-            "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
+    return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "anchored": anchored,
+            "resumed_from_step": start, "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,
             **_mismatch_summary(hist)}

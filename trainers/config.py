@@ -103,6 +103,11 @@ class OPDConfig(BaseModel):
     # validation tasks, it solves more of those the warm start fails than the reverse; a domain whose expert does
     # not is left out of distillation (the student keeps the warm start there), with the counts in the result
     gate_teachers: bool = True
+    # a domain of the RL set with no teaching expert (skipped, or left out by the gate): "warm_start": the warm start
+    # teaches it, so the student's own samples there are pulled back toward where the iteration began (the merged
+    # student carries every other expert's delta into it, and an expert trained on one domain moves the others too);
+    # "none": the student never samples it and it drifts with the rest of the network
+    untaught: Literal["warm_start", "none"] = "warm_start"
 
 
 class LoopConfig(BaseModel):

@@ -45,14 +45,17 @@ def merge_experts(base: Mapping[str, torch.Tensor], experts: Iterable[Mapping[st
 
 
 class OPDTrainer:
-    def __init__(self, student: Transformer, teachers, cfg: OPDConfig | None = None, backend=None):
-        """`teachers`: a `trainers.teachers.TeacherPool` (or anything with `score_batches(batches, fn)`).
+    def __init__(self, student: Transformer, teachers, cfg: OPDConfig | None = None, backend=None,
+                 route: Mapping[str, str] | None = None):
+        """`teachers`: a `trainers.teachers.TeacherPool` (or anything with `score_batches(batches, fn)`), keyed by
+        teacher; `route` maps a domain to its teacher's key where the two differ (default: the domain itself).
         `backend`: the training runtime (trainers/backends.py); every rank trains on the whole batch, so a
         data-parallel layout repeats the work and a model-parallel one (Megatron) splits it."""
         from .backends import TorchBackend
 
         self.backend = backend or TorchBackend()
         self.student, self.teachers, self.cfg = student, teachers, cfg or OPDConfig()
+        self.route = dict(route or {})
         self.lcfg = LossConfig(kind="opd", eps_low=1 - self.cfg.band_low, eps_high=self.cfg.band_high - 1)
         self.opt = torch.optim.AdamW(student.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.steps = 0
@@ -60,7 +63,7 @@ class OPDTrainer:
     @torch.no_grad()
     def teacher_logprobs(self, trajs: list[Trajectory]) -> list[torch.Tensor]:
         """Score every trajectory's rows with its domain's teacher (grouped by teacher, prefetching)."""
-        batches = [(t.domain, layout([t])) for t in trajs]
+        batches = [(self.route.get(t.domain, t.domain), layout([t])) for t in trajs]
 
         def score(teacher: Transformer, rows) -> torch.Tensor:
             return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0]

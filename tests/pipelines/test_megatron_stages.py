@@ -55,7 +55,9 @@ def test_sft_sao_and_opd_stages_run_on_megatron(tmp_path):
     init = {k: v.detach().clone() for k, v in to_hf_state(Transformer(base.model))}
     assert _same_step(_weights(sft["megatron"]["checkpoint"]), _weights(sft["torch"]["checkpoint"]), init) \
         > len(init) // 2
-    cfg = _cfg("megatron", "loop.steps=1", "sao.value_pretrain_steps=1", "opd.steps=1", "loop.warm_rollouts=train")
+    # OPD on `dom` alone (no warm-start anchor on the other domain): its one step must carry the teacher's signal
+    cfg = _cfg("megatron", "loop.steps=1", "sao.value_pretrain_steps=1", "opd.steps=1", "loop.warm_rollouts=train",
+               "opd.untaught=none")
     scored = stages.rewards(store, 2, ro["trajectory_ids"])
     sao = stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "expert", store_path=store,
                             iteration=2, domain_reward=0.5, warm_rollouts=scored["domains"][dom]["ids"])

@@ -124,12 +124,12 @@ def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tm
     store = tmp_path / "t.duckdb"
     dom = envs["domains"][0]
     with embedded_servers(cfg.model, n=2, n_slots=4, max_len=cfg.agent.max_context + 8) as urls, \
-            embedded_servers(cfg.model, n=1, n_slots=4, max_len=cfg.agent.max_context + 8) as teacher_urls:
+            embedded_servers(cfg.model, n=2, n_slots=4, max_len=cfg.agent.max_context + 8) as teacher_urls:
         sao = stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "expert", urls=urls,
                                 store_path=store, iteration=3)
         opd = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sao["checkpoint"]}, envs, tmp_path / "student",
                                  urls=urls, store_path=store, iteration=3, teacher_urls=teacher_urls)
-        teacher_info = httpx.get(teacher_urls[0] + "/get_model_info").json()
+        teacher_info = {httpx.get(u + "/get_model_info").json()["weight_version"] for u in teacher_urls}
         ev = stages.evaluation(cfg, opd["checkpoint"], str(tmp_path / "policy"), envs, {dom: sao["checkpoint"]},
                                urls=urls, store_path=store, out=tmp_path / "eval", iteration=3)
         served = {u: httpx.get(u + "/get_model_info").json() for u in urls}
@@ -137,8 +137,10 @@ def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tm
     # a random micro policy earns no reward: SAO's advantages are all zero, so it makes no update and no version
     # (test_disaggregated.py sets rewards and checks the pushes); OPD's reverse KL moves the student every step
     assert sao["pushes"] == sao["updates"] and "mismatch_fresh_mean" in sao and "mismatch_fresh_mean" in opd
-    # the teacher scored on its own server: loaded once there (named by its teacher id), never on the rollout ones
-    assert opd["pool"]["loads"] == 1 and teacher_info["weight_version"] == "10000"
+    # the teachers scored on their own servers, each loaded once (named by its teacher id), never on the rollout
+    # ones: the expert for `dom`, and the warm start for the other domain (opd.untaught=warm_start)
+    assert opd["anchored"] == [d for d in envs["domains"] if d != dom] and len(opd["anchored"]) == 1
+    assert opd["pool"]["loads"] == 2 and teacher_info == {"10000", "10001"}
     with TrajectoryStore(store, read_only=True) as st:
         ids = {r[0]: r[1] for r in st.cursor().execute("SELECT trajectory_id, iteration FROM trajectories").fetchall()}
         rows = {s: st.consumption(s) for s in ("sao", "opd", "eval")}

@@ -419,3 +419,38 @@ def test_opd_stage_starts_from_the_merged_experts(tmp_path):
         assert out["merged_from"] == (sorted([experts["code"], experts["math"]]) if init == "merged" else [])
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_opd_anchors_a_domain_with_no_expert_to_the_warm_start(tmp_path):
+    """`opd.untaught=warm_start`: the student (merged from a code expert that also moved everything else) samples
+    math too, and the warm start scores it there: the reverse KL of the first batch is positive and the student
+    moves. With `untaught=none` it samples only code, whose teacher is the student itself: a reverse KL of exactly
+    0 at every step and no change to any weight. Guards against the anchor's teacher being the expert, and against
+    the anchored domain never being sampled."""
+    import stages
+    from envs.dataset import write_dataset
+    from envs.generator import generate
+    from model import load_checkpoint, save_checkpoint
+
+    warm = _micro(0)
+    save_checkpoint(warm, tmp_path / "warm")
+    code = copy.deepcopy(warm)
+    with torch.no_grad():
+        for p in code.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_checkpoint(code, tmp_path / "code")
+    write_dataset(generate(["calc-chain?horizon=1", "set-const?horizon=1"], 4, 5), tmp_path / "rl")
+    envs = {"train": None, "rl": str(tmp_path / "rl")}
+    before = _params(code)
+    for untaught in ("warm_start", "none"):
+        cfg = configs.load("micro", ["opd.steps=2", "opd.init=merged", f"opd.untaught={untaught}",
+                                     "agent.max_action_tokens=8"])
+        out = stages.opd_student(cfg, str(tmp_path / "warm"), {"code": str(tmp_path / "code")}, envs,
+                                 tmp_path / f"s-{untaught}")
+        assert out["teachers"] == {"code": str(tmp_path / "code")} and out["steps"] == 2
+        assert out["anchored"] == (["math"] if untaught == "warm_start" else [])
+        moved = _changed(before, load_checkpoint(out["checkpoint"]))
+        if untaught == "none":
+            assert out["reverse_kl"] == [0.0, 0.0] and moved == []
+        else:
+            assert out["reverse_kl"][0] > 1e-3 and len(moved) > 10
