@@ -60,6 +60,8 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,
                iteration=iteration)
     return {"evaluation": ev, "seconds": secs, "student": student["checkpoint"], "warm_start": ws["checkpoint"],
+            "opd": {"untaught": cfg.opd.untaught, "anchored": student.get("anchored", []),
+                    "teachers": sorted(student.get("teachers", {})), "gate": student.get("gate", {})},
             "rollout_reward": {d: v["mean_reward"] for d, v in scored.items()},
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
 

@@ -62,7 +62,7 @@ def one_dir(run: Path, args, say) -> dict:
         return [t.reward for t in ev["trajectories"]]
 
     out = {"seed": seed, "dir": str(run), "domains": [s.domain for s in held], "warm": score(warm, held),
-           "experts": {}, "arms": {}, "seconds": {}}
+           "experts": {}, "arms": {}, "seconds": {}, "anchored": {}}
     for d, ck in experts.items():
         out["experts"][d] = sum(score(ck, [s for s in held if s.domain == d])) / sum(s.domain == d for s in held)
     for arm, ov in ARMS.items():
@@ -72,6 +72,7 @@ def one_dir(run: Path, args, say) -> dict:
         t = time.perf_counter()
         st = stages.opd_student(cfg, warm, experts, envs, where, iteration=1)
         out["seconds"][arm] = round(time.perf_counter() - t, 1)
+        out["anchored"][arm] = st.get("anchored", [])  # domains the warm start taught (opd.untaught)
         out["arms"][arm] = score(st["checkpoint"], held)
         say(f"{arm}: pass@1 {sum(out['arms'][arm]) / len(held):.3f} ({out['seconds'][arm]:.0f} s of OPD)")
     return out

@@ -797,11 +797,18 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
 
         pool = ServerTeacherPool(teachers, teacher_urls)
     else:
-        pool = TeacherPool(teachers, max_resident=1)
+        pool = TeacherPool(teachers, max_resident=2 if anchored else 1)  # the anchor is every step's second teacher
     trainer = OPDTrainer(student, pool, cfg.opd, backend=dp, route=route)
     start, hist = 0, []
     if resuming:
         state = restore(load_training_state(out / "state"), student, trainer.opt)
+        was = state.extra.get("anchored", anchored)  # states saved before the anchor existed carry none
+        if was != anchored:
+            raise ValueError(f"OPD state in {out / 'state'} was saved with the warm start teaching "
+                             f"{', '.join(was) or 'nothing'}, this run has it teach {', '.join(anchored) or 'nothing'} "
+                             "(opd.untaught, or the gate's verdicts "
+                             "changed): its task cursor would point into another task list; remove the state or "
+                             "restore the settings")
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")
     version = 1 + start  # the student's policy version on the engines: one per OPD step
@@ -837,7 +844,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:
                 rec.flush(consumption)  # the store first, as in sao_expert
                 save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1, policy_version=2,
-                                    data_cursor=step + 1, extra={"history": hist}, keep=2)
+                                    data_cursor=step + 1, extra={"history": hist, "anchored": anchored}, keep=2)
             log(f"OPD step {step + 1}/{cfg.opd.steps} reverse KL {st.get('reverse_kl', 0.0):.4f}")
         rec.flush(consumption)
     finally:

@@ -4,8 +4,8 @@ ReLU (`index_score_relu`) and the hidden state MTP reads (`mtp_input`)."""
 import torch
 
 import configs
-from temper_kernels.indexer import _indexer_topk_triton, indexer_topk_reference, scores_reference
 from model import ModelConfig, Transformer
+from temper_kernels.indexer import _indexer_topk_triton, indexer_topk_reference, scores_reference
 
 
 def test_indexer_score_without_relu_by_hand():

@@ -253,6 +253,11 @@ def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_pat
                              tmp_path / "s")
     assert opd["checkpoint"] == base and opd["steps"] == 0 and opd["gate"]["code"]["teaches"] is False
     assert "validation" in opd["skipped"]
+    # one expert teaches, one is left out: the left-out domain is the warm start's to teach, and only the teaching
+    # expert joins the merge
+    mixed = stages.opd_student(configs.load("tiny", ["opd.init=merged", "opd.steps=0"]), rand,
+                               {"code": base, "math": rand}, spec_envs, tmp_path / "s-mixed")
+    assert mixed["teachers"] == {"code": base} and mixed["anchored"] == ["math"] and mixed["merged_from"] == [base]
     # the verdict is kept: a resumed stage reads it back instead of evaluating again
     import trainers.sft
 

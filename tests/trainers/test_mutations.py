@@ -454,3 +454,7 @@ def test_opd_anchors_a_domain_with_no_expert_to_the_warm_start(tmp_path):
             assert out["reverse_kl"] == [0.0, 0.0] and moved == []
         else:
             assert out["reverse_kl"][0] > 1e-3 and len(moved) > 10
+    # a state saved with the anchor does not resume without it (its task cursor counts another task list)
+    with pytest.raises(ValueError, match=r"warm start teaching math, this run has it teach nothing \(opd.untaught"):
+        stages.opd_student(cfg, str(tmp_path / "warm"), {"code": str(tmp_path / "code")}, envs,
+                           tmp_path / "s-warm_start")
