@@ -360,7 +360,8 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     meta = _track(temper, it, "opd_student", out,
                   {"steps": out["steps"], **{f"gate_{d}_{w}": g[w] for d, g in gate.items() for w in ("expert", "warm_start")}},
                   {"checkpoint": out["checkpoint"], "student_init": out.get("init", "warm_start"),
-                   **{f"teacher_{k}": v for k, v in out.get("teachers", {}).items()}}, live=True)
+                   **{f"teacher_{k}": v for k, v in out.get("teachers", {}).items()},
+                   **{f"teacher_{k}": f"warm start {ws}" for k in out.get("anchored", [])}}, live=True)
     left_out = {d: f"{g['expert']:.2f} vs warm start {g['warm_start']:.2f} ({g['gained']} gained / {g['lost']} lost "
                    f"of {g['n']} validation tasks)" for d, g in gate.items() if not g["teaches"]}
     return _materialize(reported, out, {**meta, "teachers": ", ".join(sorted(out.get("teachers", {}))) or "none",

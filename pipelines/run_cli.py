@@ -43,7 +43,7 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         return json.loads(p.read_text()) if p.exists() else {}
 
     ev, ro, ver, ws = load("evaluation"), load("rollout_batches"), load("verified_envs"), load("warm_start")
-    sao = load("sao_experts")
+    sao, opd = load("sao_experts"), load("opd_student")
     t = Table(title=f"temper · {run_dir.name} · held-out pass@1 (95% Wilson CI), paired exact McNemar", show_lines=False)
     for c in ("domain", "n", "warm start", "student", "Δ", "gained / lost", "p", "expert (teacher)"):
         t.add_column(c, justify="right" if c != "domain" else "left")
@@ -73,10 +73,10 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
                            f"mean reward {ro.get('mean_reward', 0):.2f}",
         "sao_experts": ", ".join(f"{d}: skipped" if v.get("skipped") else f"{d}: {v.get('steps', 0)} steps"
                                  for d, v in sao.items()),
-        "opd_student": f"{load('opd_student').get('steps', 0)} OPD steps" + "".join(
+        "opd_student": f"{opd.get('steps', 0)} OPD steps" + "".join(
             f"; {d} expert left out ({g['expert']:.2f} vs {g['warm_start']:.2f} on validation)"
-            for d, g in (load('opd_student').get('gate') or {}).items() if not g["teaches"]) + "".join(
-            f"; the warm start teaches {d}" for d in load('opd_student').get('anchored', [])),
+            for d, g in (opd.get('gate') or {}).items() if not g["teaches"]) + "".join(
+            f"; the warm start teaches {d}" for d in opd.get('anchored', [])),
         "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
     }
     for st in STAGES:

@@ -85,7 +85,7 @@ def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
             stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "x2", store_path=store,
                               iteration=2, warm_rollouts=scored["domains"][other]["ids"])
     # the replay anchor: the other domains' warm rollouts (read back, any domain) are its rows
-    others = [i for d, v in scored["domains"].items() if d != dom for i in v["ids"]]
+    others = stages.replay_ids(scored["domains"], dom)
     assert others, "the micro RL set has a single domain: nothing to replay"
     replay = cfg.model_copy(update={"sao": cfg.sao.model_copy(update={"replay_coef": 1.0})})
     curves = []
