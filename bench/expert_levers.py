@@ -39,17 +39,18 @@ from trainers.stats import compare, wilson
 BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 
 
-def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1) -> tuple[dict, dict]:
+def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1, overrides: list[str] | None = None
+            ) -> tuple[dict, dict]:
     """(envs, {trajectory id: domain}) of the warm start's rollouts on the gated RL set of `iteration`, made once
-    under `work`."""
+    under `work`. `overrides` change the environments themselves (`envs.rl_patterns=[...]`: a curriculum)."""
     from rollout.backend import embedded_servers
 
-    cfg = load("tiny")
+    cfg = load("tiny", overrides or [])
     done = work / "prepared.json"
+    key = {"warm": str(warm.resolve()), "iteration": iteration, **({"prepare": overrides} if overrides else {})}
     if done.exists():
         d = json.loads(done.read_text())
-        if d.get("key", {"warm": str(BASE.resolve()), "iteration": 1}) != {"warm": str(warm.resolve()),
-                                                                           "iteration": iteration}:
+        if d.get("key", {"warm": str(BASE.resolve()), "iteration": 1}) != key:
             raise SystemExit(f"{work} was prepared for another warm start or iteration ({d.get('key')}): "
                              "give another --work")
         return d["envs"], d["rollouts"]
@@ -61,7 +62,7 @@ def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1) -> tuple[dic
     scored = stages.rewards(work / "store.duckdb", iteration, ro["trajectory_ids"])
     rollouts = {i: d for d, v in scored["domains"].items() for i in v["ids"]}
     done.write_text(json.dumps({"envs": envs, "rollouts": rollouts,
-                                "key": {"warm": str(warm.resolve()), "iteration": iteration}}, default=str))
+                                "key": key}, default=str))
     say(f"prepared {envs['accepted']} environments and their warm start's rollouts in {time.perf_counter() - t:.0f} s: "
         + ", ".join(f"{d} {v['mean_reward']:.3f}" for d, v in scored["domains"].items()))
     return envs, rollouts
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--iteration", type=int, default=1, help="whose RL set (fresh per iteration) to train on")
     ap.add_argument("--all-domains", action="store_true",
                     help="score on the pipeline's held-out set, every domain, instead of fresh tasks of --domain")
+    ap.add_argument("--prepare", action="append", default=[],
+                    help="an override of the RL set (envs.rl_patterns=[...]); the held-out set is unchanged")
     ap.add_argument("--n-eval", type=int, default=240)
     ap.add_argument("--eval-seed", type=int, default=777)
     ap.add_argument("--work", default="runs/expert_levers")
@@ -93,7 +96,7 @@ def main() -> None:
 
     work, warm = Path(a.work), Path(a.warm)
     work.mkdir(parents=True, exist_ok=True)
-    envs, rollouts = prepare(work, print, warm, a.iteration)
+    envs, rollouts = prepare(work, print, warm, a.iteration, a.prepare)
     cfg0 = load("tiny")
     if a.all_domains:
         held = read_dataset(envs["eval"])
