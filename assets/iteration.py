@@ -383,6 +383,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                student=_upstream(context, "opd_student")["checkpoint"], baseline=ws,
                                envs=_upstream(context, "verified_envs"),
                                experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},
+                               taught=sorted(_upstream(context, "opd_student").get("teachers") or {}),
                                urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                out=str(d / "eval"), iteration=int(it))
     st = out["stats"]

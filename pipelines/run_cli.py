@@ -49,6 +49,13 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         t.add_column(c, justify="right" if c != "domain" else "left")
     before, after, teach = ev.get("domain_before", {}), ev.get("domain_after", {}), ev.get("domain_teacher", {})
     st = ev.get("stats", {})
+    anchored = set(opd.get("anchored") or ())
+
+    def teacher(dom: str) -> str:
+        """The expert's own-domain pass@1, marked when it did not teach (OPD's gate left it out), or who taught."""
+        if dom in teach:
+            return f"{teach[dom]:.2f}" + ("" if ev.get("teaching", {}).get(dom, True) else " (left out)")
+        return "warm start" if dom in anchored else ""
 
     def cell(x):
         return f"{x['pass@1']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
@@ -58,7 +65,7 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         test = v["test"]
         t.add_row(dom, str(test["n"]), cell(v["before"]), cell(v["after"]), f"{test['delta']:+.2f}",
                   f"{test['gained']} / {test['lost']}", f"{test['p_value']:.3f}",
-                  f"{teach[dom]:.2f}" if dom in teach else "", style="bold" if dom == "all" else None)
+                  teacher(dom), style="bold" if dom == "all" else None)
     console.print(t)
     s = Table(title="stages")
     s.add_column("stage")

@@ -860,10 +860,12 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
 
 def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet,
                urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
-               out: Path | None = None, iteration: int = 0) -> dict:
+               out: Path | None = None, iteration: int = 0, taught: list[str] | None = None) -> dict:
     """Held-out greedy pass@1 of the student and of the warm start on the same tasks, per domain and overall,
     with 95% Wilson intervals and an exact McNemar test of the paired outcomes (tasks that flipped each way);
-    and each domain expert on its own domain (the teacher the student is measured against). Episodes run on
+    and each domain expert on its own domain (the teacher the student is measured against). `taught`: the
+    domains whose expert taught the student (OPD's gate); the others' experts are still scored, and marked
+    `teaching: false` so no report reads them as the student's teacher. Episodes run on
     the servers at `urls` when given (each policy loaded in turn), else in-process; every trajectory goes to the
     store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`."""
     import itertools
@@ -932,6 +934,7 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             "domain_after": after["domain"], "family_before": before["family"], "family_after": after["family"],
             "pattern_before": before["pattern"], "pattern_after": after["pattern"], "pattern_teacher": teacher_pattern,
             "domain_teacher": teachers, "teacher_stats": teacher_stats, "n_eval": len(held), "student": student,
+            "teaching": {d: taught is None or d in taught for d in teachers},
             "stats": stats, "gained": overall["gained"], "lost": overall["lost"], "p_value": overall["p_value"],
             "significant": significant_gain(overall), "stored_trajectories": rec.written,
             "domains_fell_significantly": [d for d, v in stats.items() if d != "all" and v["test"]["lost"] > v["test"]["gained"]

@@ -10,7 +10,7 @@ from micro_rollouts import stored_rollouts
 import configs
 import stages
 from assets import RolloutBackend
-from model import Transformer, save_checkpoint
+from model import Transformer, load_checkpoint, save_checkpoint, weights_checksum
 from rollout.backend import embedded_servers
 from store import TrajectoryStore
 
@@ -127,9 +127,18 @@ def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tm
             embedded_servers(cfg.model, n=2, n_slots=4, max_len=cfg.agent.max_context + 8) as teacher_urls:
         sao = stages.sao_expert(cfg, str(tmp_path / "policy"), envs, dom, tmp_path / "expert", urls=urls,
                                 store_path=store, iteration=3)
-        opd = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sao["checkpoint"]}, envs, tmp_path / "student",
-                                 urls=urls, store_path=store, iteration=3, teacher_urls=teacher_urls)
-        teacher_info = {httpx.get(u + "/get_model_info").json()["weight_version"] for u in teacher_urls}
+        # the random policy earns nothing, so SAO leaves its expert equal to the warm start: OPD gets a perturbed
+        # copy as the expert instead, so the two teacher servers can be told apart by their weights
+        teacher = load_checkpoint(sao["checkpoint"])
+        with torch.no_grad():
+            for t in teacher.parameters():
+                t.add_(0.01 * torch.randn_like(t))
+        save_checkpoint(teacher, tmp_path / "teacher", policy_version=1)
+        opd = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: str(tmp_path / "teacher")}, envs,
+                                 tmp_path / "student", urls=urls, store_path=store, iteration=3,
+                                 teacher_urls=teacher_urls)
+        teacher_info = {(i := httpx.get(u + "/get_model_info").json())["weight_version"]: i["weights_checksum"]
+                        for u in teacher_urls}
         ev = stages.evaluation(cfg, opd["checkpoint"], str(tmp_path / "policy"), envs, {dom: sao["checkpoint"]},
                                urls=urls, store_path=store, out=tmp_path / "eval", iteration=3)
         served = {u: httpx.get(u + "/get_model_info").json() for u in urls}
@@ -140,7 +149,9 @@ def test_sao_opd_and_evaluation_run_on_two_servers_and_store_every_trajectory(tm
     # the teachers scored on their own servers, each loaded once (named by its teacher id), never on the rollout
     # ones: the expert for `dom`, and the warm start for the other domain (opd.untaught=warm_start)
     assert opd["anchored"] == [d for d in envs["domains"] if d != dom] and len(opd["anchored"]) == 1
-    assert opd["pool"]["loads"] == 2 and teacher_info == {"10000", "10001"}
+    assert opd["pool"]["loads"] == 2 and set(teacher_info) == {"10000", "10001"}
+    assert teacher_info["10000"] == weights_checksum(load_checkpoint(tmp_path / "teacher"))  # the expert's own weights
+    assert teacher_info["10001"] == weights_checksum(load_checkpoint(tmp_path / "policy"))  # the warm start's
     with TrajectoryStore(store, read_only=True) as st:
         ids = {r[0]: r[1] for r in st.cursor().execute("SELECT trajectory_id, iteration FROM trajectories").fetchall()}
         rows = {s: st.consumption(s) for s in ("sao", "opd", "eval")}

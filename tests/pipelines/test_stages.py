@@ -1,5 +1,6 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
+import json
 
 import pytest
 
@@ -308,3 +309,29 @@ def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start
         rows = st.consumption("eval")
     by = {c: sorted(r["trajectory_id"] for r in rows if r["consumer"] == c) for c in ("eval:student", "eval:warm_start")}
     assert len(by["eval:student"]) == 6 and by["eval:student"] == by["eval:warm_start"]
+    # experts the gate left out are still scored on their own domain, and marked as not the student's teacher
+    calls.clear()
+    ev = stages.evaluation(cfg, base, base + "/", {"eval": str(tmp_path / "eval")}, {"code": base, "math": base},
+                           store_path=tmp_path / "t.duckdb", iteration=3, taught=["code"])
+    assert calls == [6, 3, 3] and ev["teaching"] == {"code": True, "math": False}
+    assert set(ev["domain_teacher"]) == {"code", "math"}
+
+
+def test_run_summary_names_who_taught_each_domain(tmp_path):
+    """The summary's teacher column: an expert that taught shows its own-domain pass@1, one the gate left out says so,
+    and a domain the warm start anchored names it."""
+    from rich.console import Console
+
+    from pipelines.run_cli import summary
+
+    stat = {"pass@1": 0.5, "k": 1, "n": 2, "ci95": [0.1, 0.9]}
+    test = {"n": 2, "gained": 0, "lost": 0, "delta": 0.0, "p_value": 1.0}
+    (tmp_path / "evaluation.json").write_text(json.dumps({
+        "stats": {d: {"before": stat, "after": stat, "test": test} for d in ("code", "math", "reasoning", "all")},
+        "domain_teacher": {"code": 0.375, "reasoning": 0.675}, "teaching": {"code": False, "reasoning": True}}))
+    (tmp_path / "opd_student.json").write_text(json.dumps({"anchored": ["code", "math"], "steps": 16}))
+    con = Console(record=True, width=200)
+    summary(tmp_path, {}, 1.0, con)
+    rows = {ln.split("│")[1].strip(): ln.split("│")[-2].strip() for ln in con.export_text().splitlines()
+            if ln.count("│") > 3 and ln.split("│")[1].strip() in ("code", "math", "reasoning", "all")}
+    assert rows == {"code": "0.38 (left out)", "math": "warm start", "reasoning": "0.68", "all": ""}
