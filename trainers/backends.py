@@ -90,6 +90,21 @@ class TrainBackend(ABC):
         where ranks hold shards (every rank must call it); here the model itself."""
         return model
 
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value's mean over the data-parallel ranks, a value a rank lacks counting as 0 (one collective; every
+        rank calls it). What turns a rank's share of a batch statistic into the batch's: the trainers weight each
+        rank's share so that the mean over ranks is the whole batch's figure."""
+        if self.world_size == 1:
+            return dict(values)
+        got: list = [None] * self.world_size
+        dist.all_gather_object(got, dict(values), group=self.dp_group())
+        keys = sorted({k for g in got for k in g})
+        return {k: sum(float(g.get(k, 0.0)) for g in got) / self.world_size for k in keys}
+
+    def dp_group(self):
+        """The process group of the data-parallel ranks (None: the default group)."""
+        return None
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total L2 norm of `max_norm`; returns the norm before clipping. A backend whose
         ranks hold different shards of the model (Megatron) computes the norm over the whole model."""

@@ -141,6 +141,9 @@ class RLLoop:
         from .checkpoint import save_training_state
 
         t = self.trainer
+        # the trainer's own count is of updates (the lr schedule and the replay cursor follow it), not of loop steps:
+        # a step that made no update is in `step` and not in it
+        extra = {**(extra or {}), "trainer_updates": t.steps}
         # a batch generated ahead is not saved: a resumed run draws its environments again, on the saved weights
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
                                    data_cursor=self._cursor - self._pending, critic=t.critic,
@@ -153,7 +156,7 @@ class RLLoop:
 
         t = self.trainer
         restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None))
-        t.steps = state.step
+        t.steps = int((state.extra or {}).get("trainer_updates", state.step))  # states saved before it was kept
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
         self.version = state.policy_version - 1

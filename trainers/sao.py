@@ -239,9 +239,10 @@ class SAOTrainer:
         self.replay = rows
         return int(rows.mask.sum())
 
-    def _replay_backward(self) -> float:
+    def _replay_backward(self) -> tuple[float, float]:
         """One replay micro-step: β·KL(π_ref ‖ π) summed over the vocabulary, token-averaged over the step's
-        `replay_rows` rows (every rank's share, as the policy loss), backpropagated. Returns this rank's mean KL."""
+        `replay_rows` rows (every rank's share, as the policy loss), backpropagated. Returns this rank's (KL summed
+        over its tokens, its tokens)."""
         rows, k, order = self.replay, self.cfg.replay_rows, self.replay_order
         pick = [order[(self.steps * k + j) % len(order)] for j in range(min(k, len(order)))]  # in turn, resumable
         n = float(sum(rows.mask[i].sum() for i in pick)) / self.backend.world_size
@@ -255,7 +256,7 @@ class SAOTrainer:
             (self.cfg.replay_coef * kl / max(n, 1.0)).backward()
             total += float(kl.detach())
             tokens += lref.shape[0]
-        return total / max(tokens, 1.0)
+        return total, float(tokens)
 
     # ---- updates ----------------------------------------------------------------------------------
     def _share(self, trajs: list) -> list:
@@ -357,13 +358,22 @@ class SAOTrainer:
                 for k, v in st.items():
                     agg[k] = agg.get(k, 0.0) + v * float(share)
             if anchor:
-                agg["replay_kl"] = self._replay_backward()
+                agg["_replay_kl"], agg["_replay_tokens"] = self._replay_backward()
             self.backend.all_reduce_grads(self.actor)
             gn = self.backend.clip_grad_norm(self.actor, self.cfg.grad_clip)
+            # each rank holds its share of the batch's figures, weighted so that their mean over ranks is the
+            # batch's (the replay KL is a ratio: its sum and its tokens are averaged, then divided)
+            if epoch == 0:
+                agg["entropy"] = ent_sum / float(n)
+                if "value_loss" in stats:
+                    agg["value_loss"] = stats["value_loss"]
+            agg = self.backend.mean_over_ranks(agg)
+            if "_replay_kl" in agg:
+                agg["replay_kl"] = agg.pop("_replay_kl") / max(agg.pop("_replay_tokens"), 1e-12)
             if epoch == 0:  # the batch as the engines generated it: mismatch, entropy and band before any update
                 stats.update(agg)
-                stats.update(mm.stats())
-                stats.update(lr=lr, tokens=n_global, entropy=ent_sum / float(n), grad_norm=float(gn))
+                stats.update(mm.stats())  # this rank's tokens only
+                stats.update(lr=lr, tokens=n_global, grad_norm=float(gn))
             else:
                 stats.update({f"{k}_last": v for k, v in agg.items()})
             if not float(gn) > 0.0:  # every advantage zero (e.g. GRPO on a group of equal rewards), or every token

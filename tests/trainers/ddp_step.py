@@ -1,5 +1,6 @@
-"""One SFT step and one SAO step of the micro model under `torchrun` (gloo): run by test_ddp_torchrun.py, which
-compares the gradients and weights every rank ends with against one process on the whole batch.
+"""One SFT step and two SAO steps (with the replay anchor) of the micro model under `torchrun` (gloo): run by
+test_ddp_torchrun.py, which compares the gradients, weights and step statistics every rank ends with against one
+process on the whole batch.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ddp_step.py OUT_DIR
 """
@@ -58,11 +59,18 @@ def run(backend):
     torch.manual_seed(1)
     actor = backend.wrap(Transformer(cfg.model))
     init = {n: p.detach().clone() for n, p in actor.named_parameters()}
-    sao = SAOTrainer(actor, SAOConfig(critic_updates=2, lr=1e-3, warmup_steps=0), backend=backend)
-    st = sao.step(trajectories(), 0)
+    # with the replay anchor on 3 other trajectories (the ranks get 2 and 1 of each step's rows); two steps, so
+    # the second one's replay KL is away from 0 (the first is taken at the reference)
+    sao = SAOTrainer(actor, SAOConfig(critic_updates=2, lr=1e-3, warmup_steps=0, replay_coef=1.0, replay_rows=3),
+                     backend=backend)
+    sao.set_replay(trajectories()[:3])
+    first = sao.step(trajectories(), 0)
+    st = sao.step(trajectories(), 1)
     rl = {n: (p.grad.clone() if p.grad is not None else None, p.detach().clone()) for n, p in actor.named_parameters()}
     critic = {n: p.detach().clone() for n, p in sao.critic.named_parameters()}
-    return {"sft": sft, "sao": rl, "critic": critic, "updated": st["updated"], "init": init, "init_sft": init_sft}
+    stats = {k: v for k, v in st.items() if isinstance(v, float) and not k.startswith("mismatch")}
+    return {"sft": sft, "sao": rl, "critic": critic, "updated": st["updated"] and first["updated"], "init": init,
+            "init_sft": init_sft, "stats": stats}
 
 
 if __name__ == "__main__":

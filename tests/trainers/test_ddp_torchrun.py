@@ -1,11 +1,12 @@
-"""The trainer as its own process group: one SFT step and one SAO step (critic included) under `torchrun` with 2
-gloo ranks end with the gradients and weights of one process on the whole batch — uneven token counts per rank,
-an odd number of trajectories, MTP and the indexer KL included."""
+"""The trainer as its own process group: one SFT step and two SAO steps (critic and replay anchor included) under
+`torchrun` with 2 gloo ranks end with the gradients, weights and step statistics of one process on the whole batch —
+uneven token counts per rank, an odd number of trajectories and replay rows, MTP and the indexer KL included."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainers.backends import free_port
@@ -32,6 +33,13 @@ def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
     for name, w1 in one["critic"].items():
         for r in ranks:
             torch.testing.assert_close(r["critic"][name], w1, rtol=1e-5, atol=1e-6, msg=f"critic {name}")
+    # the step's figures are the whole batch's on every rank, not the rank's share of it: the policy loss's
+    # statistics, the entropy, the critic's loss and the replay anchor's KL (away from 0 on this second step)
+    assert one["stats"]["replay_kl"] > 1e-5 and one["stats"]["clip_frac"] > 0
+    for r in ranks:
+        assert r["stats"].keys() == one["stats"].keys()
+        for k, v in one["stats"].items():
+            assert r["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
     # the step moved the weights (so equal weights are not just untouched ones)
     assert any(not torch.equal(w1, one["init"][n]) for n, (_, w1) in one["sao"].items())
     assert any(not torch.equal(w1, one["init_sft"][n]) for n, (_, w1) in one["sft"].items())

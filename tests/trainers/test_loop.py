@@ -106,6 +106,22 @@ def test_loop_all_stale_batch_is_no_new_version():
     assert _same(init, _snapshot(actor))
 
 
+def test_a_resumed_loop_counts_updates_not_loop_steps(tmp_path):
+    """A loop step that made no update does not count as one after a resume either: the trainer's update count
+    (which sets the lr schedule and the replay cursor) and the policy version come back as they were."""
+    from trainers.checkpoint import load_training_state
+
+    loop, _, _ = _loop("sync", lambda i: 1.0 if i < 4 else float(i % 2), warmup_steps=5)
+    hist = loop.run(2)  # the first batch ties in every group: no update; the second updates
+    assert [h["updated"] for h in hist] == [False, True] and loop.trainer.steps == 1 and loop.version == 1
+    loop.save_state(tmp_path / "state", step=2)
+    loop.backend.close()
+    again, _, _ = _loop("sync", lambda i: 1.0)
+    again.resume(load_training_state(tmp_path / "state"))
+    assert again.loop_steps == 2 and again.trainer.steps == 1 and again.version == 1
+    again.backend.close()
+
+
 def _warm_rollouts(n: int = 6):
     """Episodes of the untrained micro actor (policy version 0), rewards alternating 1 / 0: what
     `rollout_batches` stores for SAO to read back."""

@@ -45,6 +45,11 @@ class MegatronBackend(TrainBackend):
     def close(self) -> None:
         parallel.destroy()
 
+    def dp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
     # ---- the model ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         """temper Transformer → MegatronGLM with this rank's shard (a MegatronGLM is returned as it is)."""
