@@ -102,6 +102,21 @@ def test_sao_reads_the_scored_rollouts_back_from_the_store(tmp_path):
     with pytest.raises(ValueError, match="sao.replay_coef"):
         stages.sao_expert(replay, str(tmp_path / "policy"), envs, dom, tmp_path / "r2", store_path=store,
                           iteration=2, warm_rollouts=warm)
+    # a pattern of its own left out of training (nearly constant reward): its warm rollouts join the replay rows,
+    # and the expert replays them without other domains' rows given
+    from envs.dataset import read_dataset
+    from trainers.sft import pattern_key
+
+    specs = {s.id: pattern_key(s) for s in read_dataset(stages.rl_set(envs)) if s.domain == dom}
+    with TrajectoryStore(store, read_only=True) as st:
+        mine = [t for t in st.read(2, ids=warm) if t.status not in ("crashed", "aborted") and t.n_trainable]
+    left = specs[mine[0].env_id]
+    assert set(specs.values()) - {left}, "the micro domain has a single pattern: nothing would be left to train on"
+    own = [t for t in mine if specs[t.env_id] == left]
+    out = stages.sao_expert(replay, str(tmp_path / "policy"), envs, dom, tmp_path / "r3", store_path=store,
+                            iteration=2, warm_rollouts=warm, constant={left: 0.0})
+    assert out["replay_rollouts"] == len(own) > 0
+    assert out["replay_tokens"] == sum(max(0, sum(s.loss_mask[1:])) for t in own for s in t.segments if s.tokens)
 
 
 def test_sglang_backend_needs_urls():
