@@ -66,11 +66,14 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
 
 
-def expert_cell(ev: dict, g: str) -> str:
-    """The domain expert's own-domain pass@1, marked when OPD's gate left it out (it did not teach the student)."""
+def expert_cell(ev: dict, g: str, anchored: list[str]) -> str:
+    """The domain expert's own-domain pass@1, marked when OPD's gate left it out (it did not teach the student), and
+    the warm start where it taught the domain instead."""
+    by = "warm start" if g in anchored else ""
     if g not in ev["domain_teacher"]:
-        return ""
-    return f"{ev['domain_teacher'][g]:.3f}" + ("" if ev.get("teaching", {}).get(g, True) else " (left out)")
+        return by
+    left = not ev.get("teaching", {}).get(g, True)
+    return f"{ev['domain_teacher'][g]:.3f}" + ((f" (left out; {by} taught)" if by else " (left out)") if left else "")
 
 
 def ci(x: dict) -> str:
@@ -130,7 +133,7 @@ def main() -> None:
             st = r["evaluation"]["stats"]
             rows = [[g, v["test"]["n"], ci(v["before"]), ci(v["after"]), f"{v['test']['delta']:+.3f}",
                      f"{v['test']['gained']} / {v['test']['lost']}", f"{v['test']['p_value']:.4f}",
-                     expert_cell(r["evaluation"], g)]
+                     expert_cell(r["evaluation"], g, r["opd"]["anchored"])]
                     for g, v in st.items()]
             table(f"seed {seed} · iteration {it} · held-out pass@1, student vs warm start (paired)",
                   ["group", "n", "warm start", "student", "Δ", "gained / lost", "p (McNemar)", "expert"], rows)

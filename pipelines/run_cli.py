@@ -53,9 +53,10 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
 
     def teacher(dom: str) -> str:
         """The expert's own-domain pass@1, marked when it did not teach (OPD's gate left it out), or who taught."""
-        if dom in teach:
-            return f"{teach[dom]:.2f}" + ("" if ev.get("teaching", {}).get(dom, True) else " (left out)")
-        return "warm start" if dom in anchored else ""
+        taught_by = "warm start" if dom in anchored else ""
+        if dom in teach and not ev.get("teaching", {}).get(dom, True):
+            return f"{teach[dom]:.2f} (left out" + (f"; {taught_by} taught)" if taught_by else ")")
+        return f"{teach[dom]:.2f}" if dom in teach else taught_by
 
     def cell(x):
         return f"{x['pass@1']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"

@@ -235,8 +235,9 @@ class RLLoop:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
         try:
-            warm = self._shared(lambda: self.warm) if self.trainer.steps == 0 else []
-            if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and self.trainer.steps == 0:
+            fresh = self.loop_steps == 0  # no step taken yet, an update or not (a resumed loop has taken some)
+            warm = self._shared(lambda: self.warm) if fresh else []
+            if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and fresh:
                 # value pre-training before any actor update: on the warm rollouts, or on the first fresh batch
                 first = warm or self._collect()
                 self.trainer.value_pretrain(first, batch_size=self.cfg.batch_size)  # each update costs one batch

@@ -318,20 +318,26 @@ def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start
 
 
 def test_run_summary_names_who_taught_each_domain(tmp_path):
-    """The summary's teacher column: an expert that taught shows its own-domain pass@1, one the gate left out says so,
-    and a domain the warm start anchored names it."""
+    """The summary's teacher column: an expert that taught shows its own-domain pass@1, one the gate left out says so
+    (and who taught instead), and a domain with no expert names the warm start that anchored it."""
     from rich.console import Console
 
     from pipelines.run_cli import summary
 
+    def teacher_column(evaluation: dict, opd: dict) -> dict[str, str]:
+        (tmp_path / "evaluation.json").write_text(json.dumps(evaluation))
+        (tmp_path / "opd_student.json").write_text(json.dumps(opd))
+        con = Console(record=True, width=200)
+        summary(tmp_path, {}, 1.0, con)
+        cells = [[c.strip() for c in ln.split("│")[1:-1]] for ln in con.export_text().splitlines() if ln.count("│") > 3]
+        return {c[0]: c[-1] for c in cells if c[0] in ("code", "math", "reasoning", "all")}
+
     stat = {"pass@1": 0.5, "k": 1, "n": 2, "ci95": [0.1, 0.9]}
     test = {"n": 2, "gained": 0, "lost": 0, "delta": 0.0, "p_value": 1.0}
-    (tmp_path / "evaluation.json").write_text(json.dumps({
-        "stats": {d: {"before": stat, "after": stat, "test": test} for d in ("code", "math", "reasoning", "all")},
-        "domain_teacher": {"code": 0.375, "reasoning": 0.675}, "teaching": {"code": False, "reasoning": True}}))
-    (tmp_path / "opd_student.json").write_text(json.dumps({"anchored": ["code", "math"], "steps": 16}))
-    con = Console(record=True, width=200)
-    summary(tmp_path, {}, 1.0, con)
-    rows = {ln.split("│")[1].strip(): ln.split("│")[-2].strip() for ln in con.export_text().splitlines()
-            if ln.count("│") > 3 and ln.split("│")[1].strip() in ("code", "math", "reasoning", "all")}
-    assert rows == {"code": "0.38 (left out)", "math": "warm start", "reasoning": "0.68", "all": ""}
+    ev = {"stats": {d: {"before": stat, "after": stat, "test": test} for d in ("code", "math", "reasoning", "all")},
+          "domain_teacher": {"code": 0.375, "reasoning": 0.675, "math": 0.25},
+          "teaching": {"code": False, "reasoning": True, "math": False}}
+    assert teacher_column(ev, {"anchored": ["math"], "steps": 16}) == {
+        "code": "0.38 (left out)", "math": "0.25 (left out; warm start taught)", "reasoning": "0.68", "all": ""}
+    ev["domain_teacher"].pop("math")  # a skipped domain's expert is not evaluated: who taught it still shows
+    assert teacher_column(ev, {"anchored": ["math"], "steps": 16})["math"] == "warm start"

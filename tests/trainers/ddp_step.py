@@ -59,7 +59,7 @@ def run(backend):
     torch.manual_seed(1)
     actor = backend.wrap(Transformer(cfg.model))
     init = {n: p.detach().clone() for n, p in actor.named_parameters()}
-    # with the replay anchor on 3 other trajectories (the ranks get 2 and 1 of each step's rows); two steps, so
+    # with the replay anchor on 3 of the trajectories (the ranks get 2 and 1 of each step's rows); two steps, so
     # the second one's replay KL is away from 0 (the first is taken at the reference)
     sao = SAOTrainer(actor, SAOConfig(critic_updates=2, lr=1e-3, warmup_steps=0, replay_coef=1.0, replay_rows=3),
                      backend=backend)

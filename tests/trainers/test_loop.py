@@ -120,6 +120,19 @@ def test_a_resumed_loop_counts_updates_not_loop_steps(tmp_path):
     again.resume(load_training_state(tmp_path / "state"))
     assert again.loop_steps == 2 and again.trainer.steps == 1 and again.version == 1
     again.backend.close()
+    # SAO (a critic) whose only step made no update (every sample stale): a resume pre-trains the critic no second
+    # time, although the trainer has made no update yet
+    loop, _, _ = _loop("async", lambda i: float(i % 2), staleness=1, value_pretrain_steps=1)
+    loop.version = 3  # the engine's episodes are version 0: all stale
+    assert [h["updated"] for h in loop.run(1)] == [False] and loop.trainer.steps == 0
+    assert sum(r["outcome"] == "value_pretrain" for r in loop.consumption) > 0
+    loop.save_state(tmp_path / "sao", step=1)
+    loop.backend.close()
+    again, _, _ = _loop("async", lambda i: float(i % 2), staleness=1, value_pretrain_steps=1)
+    again.resume(load_training_state(tmp_path / "sao"))
+    again.run(1)
+    again.backend.close()
+    assert again.consumption and not any(r["outcome"] == "value_pretrain" for r in again.consumption)
 
 
 def _warm_rollouts(n: int = 6):
