@@ -44,6 +44,9 @@ def test_sao_expert_under_torchrun_takes_the_one_rank_step(tmp_path):
     # rank 0's progress reached the launching process's log and metrics
     assert any("2 trainer ranks under torchrun" in m for m in lines) and any("SAO step 1/1" in m for m in lines)
     assert len(curves) == 2 and curves[1][0]["batch_reward"] == curves[0][0]["batch_reward"]
+    for k in ("entropy", "value_loss", "clip_frac", "kl"):  # the batch's figures, not rank 0's half of them
+        assert abs(curves[1][0][k] - curves[0][0][k]) <= 1e-4 * max(1.0, abs(curves[0][0][k])), k
+    assert curves[0][0]["entropy"] > 0 and curves[0][0]["value_loss"] > 0
     a, b = load_checkpoint(one["checkpoint"]).state_dict(), load_checkpoint(two["checkpoint"]).state_dict()
     init = load_checkpoint(str(tmp_path / "policy")).state_dict()
     moved = max(float((a[k] - init[k]).abs().max()) for k in a)
