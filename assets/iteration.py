@@ -91,12 +91,6 @@ def _upstream(context, name: str) -> dict:
     return res.records[0].asset_materialization.metadata["result"].value
 
 
-def _taught(opd: dict) -> list[str] | None:
-    """The domains whose expert taught the student (OPD's result); None when the result does not say (every
-    expert then counts as teaching)."""
-    return None if opd.get("teachers") is None else sorted(opd["teachers"])
-
-
 def _materialize(pipes_result: dg.MaterializeResult | None, out: dict, meta: dict) -> dg.MaterializeResult:
     """The asset's materialisation: what the child reported through Pipes (or, for in-process assets, the same
     fields built here), plus the parent's MLflow link and plot."""
@@ -380,6 +374,8 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
           description="Held-out pass@1 of the student vs the warm start; MLflow run; champion alias")
 def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
+    import stages
+
     it = context.partition_key
     d = temper.dir(it)
     experts = _upstream(context, "sao_experts")
@@ -389,7 +385,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                student=_upstream(context, "opd_student")["checkpoint"], baseline=ws,
                                envs=_upstream(context, "verified_envs"),
                                experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},
-                               taught=_taught(_upstream(context, "opd_student")),
+                               taught=stages.taught_domains(_upstream(context, "opd_student")),
                                urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                out=str(d / "eval"), iteration=int(it))
     st = out["stats"]

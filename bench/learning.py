@@ -58,22 +58,12 @@ def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> di
     live = {d: e["checkpoint"] for d, e in experts.items() if e["steps"] > 0}
     student = timed("opd", stages.opd_student, cfg, ws["checkpoint"], live, envs, out / "student", iteration=iteration)
     ev = timed("evaluation", stages.evaluation, cfg, student["checkpoint"], ws["checkpoint"], envs, live,
-               iteration=iteration, taught=sorted(student.get("teachers") or {}))
+               iteration=iteration, taught=stages.taught_domains(student))
     return {"evaluation": ev, "seconds": secs, "student": student["checkpoint"], "warm_start": ws["checkpoint"],
             "opd": {"untaught": cfg.opd.untaught, "anchored": student.get("anchored", []),
                     "teachers": sorted(student.get("teachers", {})), "gate": student.get("gate", {})},
             "rollout_reward": {d: v["mean_reward"] for d, v in scored.items()},
             "experts": {d: {k: e.get(k) for k in ("steps", "skipped", "updates", "reward_curve")} for d, e in experts.items()}}
-
-
-def expert_cell(ev: dict, g: str, anchored: list[str]) -> str:
-    """The domain expert's own-domain pass@1, marked when OPD's gate left it out (it did not teach the student), and
-    the warm start where it taught the domain instead."""
-    by = "warm start" if g in anchored else ""
-    if g not in ev["domain_teacher"]:
-        return by
-    left = not ev.get("teaching", {}).get(g, True)
-    return f"{ev['domain_teacher'][g]:.3f}" + ((f" (left out; {by} taught)" if by else " (left out)") if left else "")
 
 
 def ci(x: dict) -> str:
@@ -133,7 +123,7 @@ def main() -> None:
             st = r["evaluation"]["stats"]
             rows = [[g, v["test"]["n"], ci(v["before"]), ci(v["after"]), f"{v['test']['delta']:+.3f}",
                      f"{v['test']['gained']} / {v['test']['lost']}", f"{v['test']['p_value']:.4f}",
-                     expert_cell(r["evaluation"], g, r["opd"]["anchored"])]
+                     stages.teacher_cell(r["evaluation"], g, r["opd"]["anchored"], digits=3)]
                     for g, v in st.items()]
             table(f"seed {seed} · iteration {it} · held-out pass@1, student vs warm start (paired)",
                   ["group", "n", "warm start", "student", "Δ", "gained / lost", "p (McNemar)", "expert"], rows)

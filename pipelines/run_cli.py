@@ -38,6 +38,8 @@ def _step_seconds(result) -> dict[str, float]:
 def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> dict:
     from rich.table import Table
 
+    from stages import teacher_cell
+
     def load(name):
         p = run_dir / f"{name}.json"
         return json.loads(p.read_text()) if p.exists() else {}
@@ -49,14 +51,7 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         t.add_column(c, justify="right" if c != "domain" else "left")
     before, after, teach = ev.get("domain_before", {}), ev.get("domain_after", {}), ev.get("domain_teacher", {})
     st = ev.get("stats", {})
-    anchored = set(opd.get("anchored") or ())
-
-    def teacher(dom: str) -> str:
-        """The expert's own-domain pass@1, marked when it did not teach (OPD's gate left it out), or who taught."""
-        taught_by = "warm start" if dom in anchored else ""
-        if dom in teach and not ev.get("teaching", {}).get(dom, True):
-            return f"{teach[dom]:.2f} (left out" + (f"; {taught_by} taught)" if taught_by else ")")
-        return f"{teach[dom]:.2f}" if dom in teach else taught_by
+    anchored = opd.get("anchored") or []
 
     def cell(x):
         return f"{x['pass@1']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
@@ -66,7 +61,7 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         test = v["test"]
         t.add_row(dom, str(test["n"]), cell(v["before"]), cell(v["after"]), f"{test['delta']:+.2f}",
                   f"{test['gained']} / {test['lost']}", f"{test['p_value']:.3f}",
-                  teacher(dom), style="bold" if dom == "all" else None)
+                  teacher_cell(ev, dom, anchored), style="bold" if dom == "all" else None)
     console.print(t)
     s = Table(title="stages")
     s.add_column("stage")

@@ -858,6 +858,24 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             **_mismatch_summary(hist)}
 
 
+def taught_domains(opd: dict) -> list[str] | None:
+    """The domains whose expert taught the student, from `opd_student`'s result (`evaluation`'s `taught`); None when
+    the result does not say (every expert then counts as teaching)."""
+    return None if opd.get("teachers") is None else sorted(opd["teachers"])
+
+
+def teacher_cell(evaluation: dict, domain: str, anchored, digits: int = 2) -> str:
+    """A report's teacher column for `domain`: the expert's own-domain pass@1, marked when OPD's gate left it out,
+    and the warm start where it taught the domain instead (`anchored`: `opd_student`'s)."""
+    by = "warm start" if domain in anchored else ""
+    if domain not in evaluation.get("domain_teacher", {}):
+        return by
+    cell = f"{evaluation['domain_teacher'][domain]:.{digits}f}"
+    if evaluation.get("teaching", {}).get(domain, True):
+        return cell
+    return f"{cell} (left out; {by} taught)" if by else f"{cell} (left out)"
+
+
 def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet,
                urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
                out: Path | None = None, iteration: int = 0, taught: list[str] | None = None) -> dict:

@@ -156,7 +156,7 @@ class RLLoop:
 
         t = self.trainer
         restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None))
-        t.steps = int((state.extra or {}).get("trainer_updates", state.step))  # states saved before it was kept
+        t.steps = int(state.extra.get("trainer_updates", state.step))  # states saved before it was kept: the step
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
         self.version = state.policy_version - 1
