@@ -514,7 +514,12 @@ def settled(text: str, stops: list[str]) -> str:
     """The part of an unfinished output that cannot change any more: without a trailing incomplete UTF-8 character
     (decoded as U+FFFD until its last byte arrives) and without a trailing piece that could be the start of a stop
     string (trimmed from the text if the stop completes). Streaming only this makes the streamed text equal the
-    non-streamed one."""
+    non-streamed one. A stop string already whole in the text is cut at its first occurrence: the engine may have
+    appended the stopping token without having marked the request finished yet, and the finished text ends before
+    the stop string (the earliest occurrence of any stop is never past where the final text ends)."""
+    whole = [text.index(st) for st in stops if st and st in text]
+    if whole:
+        return text[: min(whole)].rstrip("\ufffd")
     text = text.rstrip("\ufffd")
     hold = 0
     for st in stops:

@@ -167,6 +167,9 @@ def test_settled_holds_back_what_can_still_change():
     assert settled("xyz ST", ["STOP"]) == "xyz "  # maybe the start of a stop string
     assert settled("xyz S", ["STOP", "Sx"]) == "xyz "
     assert settled("xyz", ["STOP"]) == "xyz"
+    # the stopping token is in, the finish not yet marked: the view already ends where the finished text will
+    assert settled("\ufffd2\ufffd1\\}", ["1\\}"]) == "\ufffd2"
+    assert settled("ab STOP cd Sx", ["Sx", "STOP"]) == "ab "
 
 
 def _streamed(http, path, body) -> tuple[str, str]:
