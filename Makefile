@@ -47,8 +47,11 @@ browser-deps:
 run: $(STAMP) sandbox-deps
 	$(BIN)/temper run --preset tiny
 
+# Two xdist workers, a file each at a time (module fixtures stay in one process), in collection order: tests/conftest.py
+# puts the files with `slow` tests first. Each worker's torch takes one thread.
+TEST_WORKERS ?= 2
 test: $(STAMP) sandbox-deps docker-deps browser-deps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Dagster and MLflow UIs on 127.0.0.1 (make ui DAGSTER_PORT=3100 MLFLOW_PORT=5100); Ctrl-C stops both.
 DAGSTER_PORT ?= 3000

@@ -13,7 +13,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`-n 2`, what `make test` runs) each worker takes one core: two workers with two threads each
+# would oversubscribe a 2-core machine (OpenMP spin-waits slow small ops by orders of magnitude).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +45,11 @@ def make_cfg(**kw):
 @pytest.fixture
 def cfg_factory():
     return make_cfg
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a `slow` test first. `make test` runs two xdist workers with `--dist loadfile
+    --no-loadscope-reorder`, which hands out files in collection order (xdist's default order is by test count,
+    which put the one-test fault sweep last): a long file started last leaves one worker running it alone."""
+    slow = {it.path for it in items if it.get_closest_marker("slow")}
+    items.sort(key=lambda it: it.path not in slow)  # stable: the order within each group is kept

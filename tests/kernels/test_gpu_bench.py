@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,7 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
     assert res["parity"]["torch.bfloat16"]["max_abs_logit"] > 0.0
 
 
+@pytest.mark.slow
 def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
     """bench/megatron_gpu.py --smoke: fp32 parity within its aim, one SAO step's gradients alike, TP = 2 in its child
     process, and both backends timed."""

@@ -96,9 +96,10 @@ def test_indexer_kl_hand_case():
     assert abs(kl3.item()) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")  # two threads beside other work can slow it tenfold (OpenMP spin-waits)
 def test_tiny_learns_within_a_cpu_minute():
-    cfg = configs.load("tiny", ["train.max_steps=200"])
+    cfg = configs.load("tiny", ["train.max_steps=80"])  # held-out loss / unigram entropy: 0.36 at 50 steps, 0.12 at 80
     torch.manual_seed(0)
     tok = ByteTokenizer()
     ids = tok.encode(generated_corpus(4000))
@@ -112,7 +113,7 @@ def test_tiny_learns_within_a_cpu_minute():
     with torch.no_grad():
         loss = next_token_loss(m(x), x).item()
     assert hist[0].loss > h  # starts above the unigram entropy ...
-    assert loss < 0.35 * h  # ... and ends well below it on held-out text
+    assert loss < 0.25 * h  # ... and ends well below it on held-out text
 
 
 def test_trainer_step_respects_the_mask(cfg_factory):

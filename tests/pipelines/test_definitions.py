@@ -71,6 +71,7 @@ def _run(instance, tmp_path, iteration, overrides=FAST):
                           resources=make_resources(res), raise_on_error=False)
 
 
+@pytest.mark.slow
 def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     r1 = _run(instance, tmp_path, "1")
     assert r1.success

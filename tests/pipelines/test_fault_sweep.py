@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 import dagster as dg
+import pytest
 from procs import find
 
 from assets import ALL_ASSETS, ITERATIONS, TemperResource
@@ -24,6 +25,7 @@ OVER = ["train.max_steps=60", "train.batch_size=4", "envs.n_train=4", "envs.n_rl
         "sao.min_domain_reward=0"]
 
 
+@pytest.mark.slow
 def test_sigkill_during_each_long_stage_loses_and_duplicates_nothing(tmp_path):
     runs = tmp_path / "runs"
     it = runs / "iteration-0001"

@@ -6,6 +6,7 @@ import threading
 import time
 
 import dagster as dg
+import pytest
 from procs import find
 
 from assets import ALL_ASSETS, ITERATIONS, TemperResource
@@ -16,6 +17,7 @@ FAST = ["train.max_steps=6", "train.batch_size=4", "envs.n_train=4", "envs.n_eva
         "loop.steps=3", "loop.save_every=1", "sao.value_pretrain_steps=1", "sao.min_domain_reward=0"]
 
 
+@pytest.mark.slow
 def test_killed_sao_step_is_retried_and_resumes(tmp_path):
     runs = tmp_path / "runs"
     state = runs / "iteration-0001" / "experts" / "math" / "state"

@@ -219,6 +219,7 @@ def test_the_validation_set_is_fresh_every_iteration_and_never_a_held_out_task(t
     assert stages.verified_envs(cfg, one, tmp_path / "v")["val"] == one["val"]  # passed on, like the held-out set
 
 
+@pytest.mark.slow
 def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_path):
     import torch
 

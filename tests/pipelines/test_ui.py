@@ -92,6 +92,7 @@ def test_browser_finds_every_asset(webserver, tmp_path):
     assert "policy" in deps["warm_start"] and deps["policy"] == set()
 
 
+@pytest.mark.slow
 def test_cancelling_a_run_kills_the_pipes_child(webserver, tmp_path):
     from dagster import DagsterInstance, DagsterRunStatus
     from dagster_graphql import DagsterGraphQLClient

@@ -66,14 +66,16 @@ def initialize(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *,
 
     apply_shims()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            from trainers.backends import free_port
-
-            os.environ["MASTER_PORT"] = str(free_port())
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=timedelta(seconds=timeout_s))
+        if "MASTER_PORT" not in os.environ and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+            # one rank and no rendezvous given: an in-process store. A TCP store on a port picked here (and kept in
+            # the environment for the next group) could find it taken by then: EADDRINUSE on a busy host
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
+                                    world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     etp = tp if etp is None else etp
     if world % (tp * pp):
