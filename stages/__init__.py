@@ -35,7 +35,7 @@ def under_torchrun(stage: str, cfg, kwargs: dict, out: Path, log=_quiet, metrics
     import sys
     from collections import deque
 
-    from trainers.backends import free_port
+    from trainers.backends import PORT_TRIES, free_port, port_taken
 
     world = cfg.trainer.world_size
     d = out / "ranks"
@@ -45,19 +45,23 @@ def under_torchrun(stage: str, cfg, kwargs: dict, out: Path, log=_quiet, metrics
     spec = {"stage": stage, "config": cfg.model_dump(mode="json"), "result": str(result),
             "kwargs": {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}}
     _dump(d / "spec.json", spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "stages.ranks", str(d / "spec.json")]
     log(f"{stage}: {world} trainer ranks under torchrun")
-    tail: deque[str] = deque(maxlen=30)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            if line.startswith("@log "):
-                log(json.loads(line[5:]))
-            elif line.startswith("@metrics "):
-                m = json.loads(line[9:])
-                metrics(m["values"], m["step"])
-            else:
-                tail.append(line.rstrip())
+    for attempt in range(PORT_TRIES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "stages.ranks", str(d / "spec.json")]
+        tail: deque[str] = deque(maxlen=30)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith("@log "):
+                    log(json.loads(line[5:]))
+                elif line.startswith("@metrics "):
+                    m = json.loads(line[9:])
+                    metrics(m["values"], m["step"])
+                else:
+                    tail.append(line.rstrip())
+        if proc.returncode == 0 or attempt + 1 == PORT_TRIES or not port_taken("\n".join(tail)):
+            break
+        log(f"{stage}: the rendezvous port was taken before torchrun bound it; again on another")
     if proc.returncode != 0 or not result.exists():
         raise RuntimeError(f"{stage} under torchrun ({world} ranks) failed with exit status {proc.returncode}:\n"
                            + "\n".join(tail))

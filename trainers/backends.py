@@ -253,10 +253,19 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
 
 # ---- launching ---------------------------------------------------------------------------------------
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another process could take it before use)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process could take it before use: launchers
+    that rendezvous on it retry with a new one when it was, see `port_taken`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORT_TRIES = 3  # launches whose rendezvous port was taken between `free_port` and the bind
+
+
+def port_taken(output: str) -> bool:
+    """Whether a failed launch failed because its rendezvous port was taken (the store's bind: EADDRINUSE)."""
+    return "EADDRINUSE" in output or "address already in use" in output.lower()
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
@@ -285,9 +294,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     out_dir = tempfile.mkdtemp(prefix="temper-launch-")
     try:
-        torch.multiprocessing.spawn(
-            _worker, args=(fn, world_size, free_port(), out_dir, threads, args), nprocs=world_size, join=True
-        )
+        for attempt in range(PORT_TRIES):
+            try:
+                torch.multiprocessing.spawn(
+                    _worker, args=(fn, world_size, free_port(), out_dir, threads, args), nprocs=world_size, join=True
+                )
+                break
+            except torch.multiprocessing.ProcessRaisedException as e:
+                if attempt + 1 == PORT_TRIES or not port_taken(str(e)):
+                    raise
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
