@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 
 import pytest
@@ -196,6 +197,23 @@ def megatron_rank():
     parallel.initialize(1, 1, 1)
     yield
     parallel.destroy()
+
+
+def test_a_one_rank_group_binds_no_port(monkeypatch):
+    """Without a rendezvous in the environment, a 1-rank group uses an in-process store: no TCP port is picked and kept
+    in the environment, where the next group of the process would bind it again after another process took it."""
+    import torch.distributed as dist
+
+    from trainers.megatron import parallel
+
+    for k in ("MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for _ in range(2):  # a second group after the first is torn down, as bench/megatron_gpu.py's sections do
+        parallel.initialize(1, 1, 1)
+        try:
+            assert dist.get_world_size() == 1 and "MASTER_PORT" not in os.environ
+        finally:
+            parallel.destroy()
 
 
 def _megatron_copy(ref: Transformer):
