@@ -133,11 +133,20 @@ def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True):
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_checkpoint(d)
-    ours = ours.to(dev).to(dtype)  # router, bias, rotary and indexer weights stay fp32
+    ours = ours.to(dev)
     if not with_hf:
         del hf
-        return None, ours
-    return hf.to(dev).to(dtype), ours
+        return None, ours.to(dtype)  # router, bias, rotary and indexer weights stay fp32
+    hf = hf.to(dev)
+    if dev.type == "cuda" and not smoke:  # fidelity on the GPU in fp32, before the cast
+        ids = torch.randint(0, hf.config.vocab_size, (1, 1024), device=dev, generator=torch.Generator(dev).manual_seed(7))
+        with torch.no_grad():
+            a, b = ours(ids).float(), hf(ids).logits.float()
+        record("fidelity_fp32", size, {"max_abs_logit_diff": (a - b).abs().max().item(),
+                                       "logit_scale": b.abs().max().item(),
+                                       "greedy_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()})
+        del a, b
+    return hf.to(dtype), ours.to(dtype)
 
 
 def active_params(model) -> int:
@@ -160,8 +169,8 @@ def _fwd_bwd(m, ids) -> None:
 
 
 # ---- 1. model ------------------------------------------------------------------------------------------------
-def section_model(dev, dtype, smoke: bool) -> None:
-    sizes = ["smoke"] if smoke else ["524M", "2B"]
+def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
+    sizes = ["smoke"] if smoke else sizes
     b, t = (2, 64) if smoke else (4, 4096)
     rows = []
     for size in sizes:
@@ -273,7 +282,16 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
                                                                                                   scale, dv)
         torch.autograd.grad(o, (qm, kv), go)
 
-    both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5)
+    def grad_check() -> str:
+        """The Triton backward's gradients against the reference's (max |Δ| / max |ref|, per input)."""
+        o_ref = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv)
+        want = torch.autograd.grad(o_ref, (qm, kv), go)
+        with kernel_mode("triton"):
+            got = torch.autograd.grad(kernels.sparse_mla(qm, kv, idx, qp, scale, dv), (qm, kv), go)
+        r = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, want)]
+        return f"grad rel dq {r[0]:.1e}, dkv {r[1]:.1e}"
+
+    both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5, check=grad_check)
 
     # MoE grouped GEMM (the 524M config's expert shapes, 16K tokens)
     n, hd, inter, e, topk_e = (64, 32, 16, 4, 2) if smoke else (16384, 1024, 704, 32, 4)
@@ -330,6 +348,10 @@ def section_decode(dev, dtype, smoke: bool) -> None:
     prompt, new = (16, 8) if smoke else (64, 128)
     batches = [1, 4] if smoke else [1, 16, 64]
     rows = []
+
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
     for b in batches:
         prompts = torch.randint(1, 200, (b, prompt), generator=torch.Generator().manual_seed(b))
         pd = prompts.to(dev)
@@ -342,6 +364,7 @@ def section_decode(dev, dtype, smoke: bool) -> None:
             sync(dev)
             t_hf = time.perf_counter() - t0
         res = {"hf_tok_s": b * new / t_hf}
+        eager_out = None
         for graphs in ([False, True] if dev.type == "cuda" else [False]):
             eng = Engine(ours, n_slots=b, max_len=prompt + new + 8, start=False, chunk_size=prompt * b,
                          cuda_graphs=graphs)
@@ -357,15 +380,24 @@ def section_decode(dev, dtype, smoke: bool) -> None:
             sync(dev)
             t_e = time.perf_counter() - t0
             same = sum(r.output_ids == out[i, prompt:].tolist() for i, r in enumerate(reqs))
+            # bf16 on a random model: logits are nearly flat, so one rounding difference flips a greedy token and the
+            # rows part ways from there; the mean length of the prefix shared with HF says how soon
+            pre = sum(prefix(r.output_ids, out[i, prompt:].tolist()) for i, r in enumerate(reqs)) / b
             key = "graphs" if graphs else "eager"
+            ids_now = [r.output_ids for r in reqs]
+            eager_out = eager_out or ids_now
             res[f"temper_{key}_tok_s"] = b * new / t_e
             res[f"temper_{key}_same_as_hf"] = f"{same}/{b}"
+            res[f"temper_{key}_mean_prefix_with_hf"] = pre
+            res[f"temper_{key}_same_as_eager"] = f"{sum(x == y for x, y in zip(ids_now, eager_out))}/{b}"
             res[f"cuda_graphs_status_{key}"] = str(getattr(eng.stats, "cuda_graphs", "off"))
+            res[f"graph_replays_{key}"] = getattr(eng.stats, "graph_replays", 0)
             rows.append([b, key, f"{b * new / t_hf:,.0f}", f"{b * new / t_e:,.0f}", t_hf / t_e, f"{same}/{b}",
-                         res[f"cuda_graphs_status_{key}"]])
-        record("decode", f"batch{b}", res)
+                         f"{pre:.1f}", res[f"temper_{key}_same_as_eager"], res[f"cuda_graphs_status_{key}"]])
+            record("decode", f"batch{b}", res)  # after each engine: a later failure keeps this one's figures
     table(f"greedy decode, prompt {prompt}, {new} new tokens, {dtype}",
-          ["batch", "engine", "transformers tok/s", "temper tok/s", "ratio", "same tokens as HF", "cuda graphs"], rows)
+          ["batch", "engine", "transformers tok/s", "temper tok/s", "ratio", "same tokens as HF",
+           "mean prefix shared with HF", "same as eager", "cuda graphs"], rows)
 
 
 # ---- 4. parity -----------------------------------------------------------------------------------------------
@@ -418,6 +450,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy shapes on any device (checks the script)")
     ap.add_argument("--sections", nargs="+", default=["kernels", "model", "decode", "parity"],
                     choices=["kernels", "model", "decode", "parity"])
+    ap.add_argument("--model-sizes", nargs="+", default=["524M", "2B"], choices=["524M", "2B"],
+                    help="the model section's configs (2B: temper only)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     FIGURES.to(args.out)
@@ -428,7 +462,7 @@ def main() -> None:
     record("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     record("env", "torch", torch.__version__)
     FIGURES.run({"kernels": lambda: section_kernels(dev, dtype, args.smoke),
-                 "model": lambda: section_model(dev, dtype, args.smoke),
+                 "model": lambda: section_model(dev, dtype, args.smoke, args.model_sizes),
                  "decode": lambda: section_decode(dev, dtype, args.smoke),
                  "parity": lambda: section_parity(dev, args.smoke)}, args.sections)
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The H200 checks, one command each (the machine has torch, triton and transformers but no pydantic or
+# The H200 checks, one command each (the machine has torch, triton, transformers and pytest but no pydantic or
 # megatron-core, and no registry): unpack the cp312 wheels that `make gpu-wheels` put in .gpu-wheels/, then run
-# bench/gpu.py (≤ 8 min) or, with `megatron` first, bench/megatron_gpu.py (≤ 6 min), writing under $OUT.
-#   bash bench/gpu_run.sh [--sections kernels model decode parity]
+# bench/gpu.py (≤ 8 min), with `megatron` first bench/megatron_gpu.py (≤ 6 min), or with `tests` first the suite's
+# CUDA tests (the ones a CPU machine skips), writing under $OUT.
+#   bash bench/gpu_run.sh [--sections kernels model decode parity] [--model-sizes 524M 2B]
 #   bash bench/gpu_run.sh megatron [--sections parity sao tp2 speed]
+#   bash bench/gpu_run.sh tests [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCRIPT=bench/gpu.py
-if [ "${1:-}" = megatron ]; then SCRIPT=bench/megatron_gpu.py; shift; fi
+MODE=gpu
+case "${1:-}" in megatron|tests) MODE=$1; shift ;; esac
 W=/tmp/temper-wheels
 mkdir -p "$W"
 for f in .gpu-wheels/*.whl; do python -m zipfile -e "$f" "$W"; done
@@ -15,4 +17,13 @@ export PYTHONPATH="$W:$PWD"
 OUT="${OUT:-runs/gpu}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
+if [ "$MODE" = tests ]; then
+  # the CUDA tests: the trainers on the device, the engine's CUDA graphs (bench/gpu.py checks the kernels there)
+  [ $# -gt 0 ] || set -- tests/trainers/test_device.py \
+    tests/rollout/test_engine_device.py::test_cuda_engine_with_graphs_equals_eager
+  python -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+  exit
+fi
+SCRIPT=bench/gpu.py
+[ "$MODE" = megatron ] && SCRIPT=bench/megatron_gpu.py
 python "$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/$(basename "$SCRIPT" .py).log"

@@ -66,27 +66,34 @@ def speed_config(smoke: bool):
                        routed_scaling_factor=2.5, max_position_embeddings=8192, num_nextn_predict_layers=1)
 
 
-def reference(cfg, ids: torch.Tensor, dev):
-    """temper's fp32 model on `dev`: (HF weights, loss, logits, mtp logits, HF-named gradients)."""
+def reference(cfg, ids: torch.Tensor, dev, dtype: torch.dtype = torch.float32, hf: dict | None = None):
+    """temper's model on `dev` in `dtype` (from `hf`'s weights, or a seeded init): (HF weights, loss, logits, mtp
+    logits, HF-named gradients)."""
     from model import Transformer
-    from model.checkpoint import to_hf_state
+    from model.checkpoint import from_hf_state, to_hf_state
     from trainers.megatron.parity import hf_grads, step_loss
 
     torch.manual_seed(0)
     ref = Transformer(cfg)
     with torch.no_grad():
-        for m in ref.moe_layers():
-            m.gate.e_score_correction_bias.normal_(0, 0.01)
-    hf = {k: v.detach().clone() for k, v in to_hf_state(ref)}
-    ref = ref.to(dev)
+        if hf is None:
+            for m in ref.moe_layers():
+                m.gate.e_score_correction_bias.normal_(0, 0.01)
+            hf = {k: v.detach().clone() for k, v in to_hf_state(ref)}
+        else:
+            ref.load_state_dict(from_hf_state(cfg, hf), strict=False)
+    ref = ref.to(dev).to(dtype)  # router, bias, rotary and indexer head weights stay fp32
     loss, lg, mlg = step_loss(ref, ids.to(dev), ids.shape[0] * (ids.shape[1] - 1), indexer=True)
     loss.backward()
-    return hf, loss.item(), lg.cpu(), mlg.cpu(), {k: v.cpu() for k, v in hf_grads(ref).items()}
+    return hf, loss.item(), lg.float().cpu(), mlg.float().cpu(), {k: v.float().cpu() for k, v in hf_grads(ref).items()}
 
 
 def compare(r: dict, loss: float, lg, mlg, grads) -> dict:
     g = max(rel(r["grads"][k], v) for k, v in grads.items() if not k.endswith("e_score_correction_bias"))
+    d = (r["logits"].double() - lg.double()).abs()
     return {"loss_rel": abs(r["loss"] - loss) / abs(loss), "logits_rel": rel(r["logits"], lg),
+            "logits_mean_rel": float(d.mean() / lg.double().abs().mean()),
+            "positions_off_by_5e-2": float((d.amax(-1) > 0.05).double().mean()),
             "mtp_logits_rel": rel(r["mtp_logits"], mlg), "grad_rel_max": g}
 
 
@@ -102,11 +109,18 @@ def section_parity(dev, smoke: bool) -> None:
         if dtype == "bfloat16" and dev.type != "cuda":
             continue  # bf16 on the CPU is not what is being measured
         r = run_layout(cfg, hf, ids, device=dev.type, dtype=dtype, indexer=True)
-        c = compare(r, loss, lg, mlg, grads)
-        record("parity", dtype, {**c, "aim": aim})
-        rows.append([dtype, c["loss_rel"], c["logits_rel"], c["mtp_logits_rel"], c["grad_rel_max"], aim])
-    table("Megatron vs temper (fp32 reference), same weights", ["dtype", "loss rel", "logits rel", "MTP logits rel",
-                                                                "max grad rel", "aim"], rows)
+        refs = [("temper fp32", (loss, lg, mlg, grads))]
+        if dtype == "bfloat16":  # like against like (the aim), and how far bf16 itself is from fp32 (both sides)
+            refs.insert(0, ("temper bf16", reference(cfg, ids, dev, torch.bfloat16, hf)[1:]))
+        for name, ref in refs:
+            c = compare(r, *ref)
+            like = dtype == "float32" or name == "temper bf16"
+            record("parity", f"{dtype} vs {name}", {**c, "aim": aim if like else None})
+            rows.append([dtype, name, c["loss_rel"], c["logits_rel"], c["logits_mean_rel"],
+                         c["positions_off_by_5e-2"], c["mtp_logits_rel"], c["grad_rel_max"], aim if like else "—"])
+    table("Megatron vs temper, same weights (rel: max |Δ| / max |ref|; mean rel: mean |Δ| / mean |ref|)",
+          ["Megatron dtype", "against", "loss rel", "logits rel", "logits mean rel", "positions off > 0.05",
+           "MTP logits rel", "max grad rel", "aim"], rows)
 
 
 # ---- 2. one SAO step -------------------------------------------------------------------------------------------

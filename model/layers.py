@@ -184,7 +184,8 @@ class MoE(nn.Module):
         idx, w = self.gate(flat)
         if self.training:
             with torch.no_grad():
-                self.expert_load += torch.bincount(idx.reshape(-1), minlength=self.cfg.n_routed_experts).float()
+                flat_idx = idx.reshape(-1)  # counts by index_add (exact: sums of ones); CUDA's bincount syncs
+                self.expert_load.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=self.expert_load.dtype))
         y = self.experts(flat, idx, w).view(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

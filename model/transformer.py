@@ -129,7 +129,11 @@ class Transformer(nn.Module):
 
     # ---- context ----------------------------------------------------------------------------------
     def _context(self, b: int, t: int, device, dtype, cache: KVCache | None, slots, n_new, mtp: bool,
-                 **kw) -> tuple[AttnContext, torch.Tensor | None, torch.Tensor | None]:
+                 n_keys: int | None = None, **kw) -> tuple[AttnContext, torch.Tensor | None, torch.Tensor | None]:
+        """`n_keys` (with a cache): the caller's bound on every row's keys after this step's writes. Given, the
+        context reads nothing back from the device (no checks of `n_new`, no contiguity test, no `end.max()`): the
+        forward has no host sync and can be captured in a CUDA graph (`rollout.engine.DecodeGraphs`). Keys past a
+        row's own positions are masked, so any bound at least the true one gives the same outputs."""
         if kw.get("impl", "auto") not in IMPLS:
             raise ValueError(f"impl: {kw['impl']!r} is not one of {', '.join(IMPLS)}")
         ar = torch.arange(t, device=device)
@@ -143,22 +147,28 @@ class Transformer(nn.Module):
         if n_new is None:
             n_new = torch.full((b,), t, device=device, dtype=torch.long)
         n_new = torch.as_tensor(n_new, device=device, dtype=torch.long)
-        if bool((n_new > t).any()) or bool((n_new < 0).any()):
-            raise ValueError(f"n_new must lie in [0, {t}] (the width of input_ids)")
         lengths = cache.mtp_lengths if mtp else cache.lengths
         start = lengths[slots]
         end = start + n_new
+        qpos = start[:, None] + ar
+        cos, sin = self.rotary(qpos, dtype)
+        write_mask = ar[None, :] < n_new[:, None]
+        if n_keys is not None:  # the caller's bound: nothing read back from the device
+            if not 0 < n_keys <= cache.max_len:
+                raise ValueError(f"n_keys must lie in [1, {cache.max_len}] (the cache's max_len), got {n_keys}")
+            return AttnContext(cos=cos, sin=sin, qpos=qpos, cache=cache, slots=slots, slot_range=None,
+                               write_mask=write_mask, n_keys=n_keys, **kw), slots, end
+        if bool((n_new > t).any()) or bool((n_new < 0).any()):
+            raise ValueError(f"n_new must lie in [0, {t}] (the width of input_ids)")
         n_keys = int(end.max()) if b else 0
         if n_keys > cache.max_len:
             raise ValueError(f"cache overflow: {n_keys} positions needed, cache max_len is {cache.max_len}")
-        qpos = start[:, None] + ar
-        cos, sin = self.rotary(qpos, dtype)
         s0 = int(slots[0]) if b else 0
         contiguous = b > 0 and bool((slots == torch.arange(s0, s0 + b, device=device)).all())
         ctx = AttnContext(
             cos=cos, sin=sin, qpos=qpos, cache=cache, slots=slots,
             slot_range=(s0, s0 + b) if contiguous else None,
-            write_mask=ar[None, :] < n_new[:, None], n_keys=n_keys, **kw,
+            write_mask=write_mask, n_keys=n_keys, **kw,
         )
         return ctx, slots, end
 
@@ -175,11 +185,13 @@ class Transformer(nn.Module):
         collect_indexer: bool = False,
         detach_indexer_input: bool = False,
         logits: bool = True,
+        n_keys: int | None = None,
     ) -> ModelOutput:
+        """`n_keys`: see `_context` (a host-sync-free forward over a cache, for CUDA graphs)."""
         b, t = input_ids.shape
         x = self.embed_tokens(input_ids)
         ctx, slots, end = self._context(
-            b, t, x.device, x.dtype, cache, slots, n_new, mtp=False, dense=dense, impl=impl,
+            b, t, x.device, x.dtype, cache, slots, n_new, mtp=False, n_keys=n_keys, dense=dense, impl=impl,
             collect=[] if collect_indexer else None, detach_indexer_input=detach_indexer_input,
         )
         sel = None

@@ -116,16 +116,21 @@ class EngineStats:
 
 
 class DecodeGraphs:
-    """CUDA graphs of the plain decode forward (one new token per row), one per batch bucket (1, 2, 4, … up to the
-    slot count), captured on first use over static input buffers and replayed with the batch padded up to its bucket.
-    Padding rows decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself
-    resets, so they touch no real slot and always attend to one key.
+    """CUDA graphs of the plain decode forward (one new token per row), one per (batch bucket, key bucket): batch
+    buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len. Each is
+    captured on first use over static input buffers and replayed with the batch padded up to its bucket. Padding rows
+    decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself resets, so they
+    touch no real slot and always attend to one key.
 
     Capturing needs a forward with no host syncs (`.item()`, `.tolist()`, `nonzero()`, `bool(t)`, host-to-device
-    copies) and no Python branch or shape that depends on the cache's contents (a key count read from
-    `lengths.max()`, a contiguous-slots check): such a value would be frozen into the graph. A warm-up run under
-    `torch.cuda.set_sync_debug_mode("error")` checks the first; any failure turns graphs off for good, with a warning
+    copies) and no Python branch or shape that depends on the cache's contents: such a value would be frozen into the
+    graph. So the key count is not read from the device: the engine passes its own bound (the longest row after this
+    step, which it tracks on the host), rounded up to the key bucket, as `Transformer.run(n_keys=…)`; keys past a
+    row's positions are masked, so a larger bound changes nothing but the work. A warm-up run under
+    `torch.cuda.set_sync_debug_mode("error")` checks for syncs; any failure turns graphs off for good, with a warning
     and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
+
+    MIN_KEYS = 64
 
     def __init__(self, model: Transformer, cache: KVCache, max_batch: int, stats: EngineStats):
         self.model, self.cache, self.stats = model, cache, stats
@@ -135,21 +140,26 @@ class DecodeGraphs:
         self.pool = None  # one memory pool shared by the buckets' graphs
         stats.cuda_graphs = "on"
 
-    def run(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """Logits [B, 1, V] of one decode step of ids [B, 1] in `slots` [B]; None when graphs are off."""
+    def key_bucket(self, n_keys: int) -> int:
+        """The smallest power of two ≥ n_keys (at least MIN_KEYS), capped at the cache's max_len."""
+        return min(max(self.MIN_KEYS, 1 << (max(n_keys, 1) - 1).bit_length()), self.cache.max_len)
+
+    def run(self, ids: torch.Tensor, slots: torch.Tensor, n_keys: int) -> torch.Tensor | None:
+        """Logits [B, 1, V] of one decode step of ids [B, 1] in `slots` [B], where no row has more than `n_keys`
+        keys after the step; None when graphs are off."""
         if self.stats.cuda_graphs != "on":
             return None
         b = ids.shape[0]
-        size = next(x for x in self.buckets if x >= b)
-        if size not in self.graphs:
+        key = (next(x for x in self.buckets if x >= b), self.key_bucket(n_keys))
+        if key not in self.graphs:
             try:
-                self.graphs[size] = self._capture(size)
+                self.graphs[key] = self._capture(*key)
             except Exception as e:  # noqa: BLE001 - not capturable (yet): decode eagerly, and say so
                 self.stats.cuda_graphs = f"fallback: {type(e).__name__}: {e}"[:300]
                 log.warning("CUDA graphs off, decoding eagerly: the decode forward could not be captured (%s: %s)",
                             type(e).__name__, e)
                 return None
-        graph, s_ids, s_slots, s_logits = self.graphs[size]
+        graph, s_ids, s_slots, s_logits = self.graphs[key]
         s_ids[:b].copy_(ids)
         s_slots[:b].copy_(slots)
         s_slots[b:].fill_(self.pad)
@@ -157,14 +167,14 @@ class DecodeGraphs:
         self.stats.graph_replays += 1
         return s_logits[:b]
 
-    def _capture(self, size: int) -> tuple:
+    def _capture(self, size: int, n_keys: int) -> tuple:
         dev = self.cache.lengths.device
         ids = torch.zeros(size, 1, dtype=torch.long, device=dev)
         slots = torch.full((size,), self.pad, dtype=torch.long, device=dev)
         n_new = torch.ones(size, dtype=torch.long, device=dev)
 
         def step() -> torch.Tensor:
-            logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new).logits
+            logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
             self.cache.lengths[self.pad] = 0  # the padding rows' token is forgotten
             return logits
 
@@ -545,7 +555,9 @@ class Engine:
         width = max(n_new)
         ids = self._t([row + [0] * (width - len(row)) for row in rows])
         slots = self._t([r.slot for r in reqs])
-        logits = self.graphs.run(ids, slots) if self.graphs is not None and not chunked and width == 1 else None
+        logits = None
+        if self.graphs is not None and not chunked and width == 1:  # the engine's own bound on the keys: no sync
+            logits = self.graphs.run(ids, slots, max(r.cached + n for r, n in zip(reqs, n_new)))
         if logits is None:
             out = self.model.run(ids, cache=self.cache, slots=slots, n_new=self._t(n_new))
             logits = out.logits

@@ -45,8 +45,12 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     above = scores > thr
     tie = scores == thr
     need = k - above.sum(-1, keepdim=True)
-    sel = above | (tie & (tie.cumsum(-1) <= need))
-    return sel.nonzero()[:, -1].view(*scores.shape[:-1], k)
+    sel = above | (tie & (tie.cumsum(-1) <= need))  # exactly k per row
+    # the selected positions, ascending: the k smallest of (position where selected, else past the end); no
+    # nonzero(), whose output shape the host must read (a sync)
+    n = scores.shape[-1]
+    pos = torch.arange(n, device=scores.device)
+    return torch.where(sel, pos, n).topk(k, dim=-1, largest=False, sorted=True).values
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

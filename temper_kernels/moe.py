@@ -5,7 +5,7 @@ E_e(x) = down_e · (silu(g) ⊙ u), [g | u] = gate_up_e · x, stacked weights ga
 down [E, H, I] (temper's `Experts` layout).
 
 Device path (no host sync): the (token, slot) pairs are sorted by expert (`argsort`, stable), the
-per-expert segment ends come from `bincount` + `cumsum` on the device, and each projection runs as one
+per-expert segment ends come from a scatter-add count + `cumsum` on the device, and each projection runs as one
 grouped GEMM over all experts:
 
 * `torch._grouped_mm` where it exists on CUDA for the dtype (bf16 on Hopper; 626 TFLOP/s measured on
@@ -39,7 +39,7 @@ def route(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, nor
         group_scores = g.topk(2, dim=-1).values.sum(-1)
         keep = group_scores.topk(topk_group, dim=-1).indices
         gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~gmask.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
+        choice = choice.masked_fill(~gmask[:, :, None].expand_as(g).reshape(n, e), float("-inf"))  # no repeat_interleave
     idx = choice.topk(k, dim=-1).indices
     w = scores.gather(1, idx)
     if norm:
@@ -75,7 +75,9 @@ def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
     e = gate_up.shape[0]
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
-    ends = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
+    # per-expert counts by scatter-add: CUDA's bincount reads the input's max back to the host (a sync)
+    ends = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = ends.cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)
     g, u = grouped_mm(xs, gate_up, ends).chunk(2, dim=-1)
     ys = grouped_mm(F.silu(g) * u, down, ends) * w.reshape(-1)[order, None].to(x.dtype)

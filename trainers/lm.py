@@ -70,6 +70,8 @@ class LMTrainer:
         t0 = time.perf_counter()
         m, c = self.model, self.cfg
         m.train()
+        dev = model_device(m)  # the batch comes from the host; the model may sit on a GPU
+        ids, mask = ids.to(dev), None if mask is None else mask.to(dev)
         lr = self.lr_at(self.step_no, progress)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -138,6 +140,11 @@ def dense_indexer_warmup(model: Transformer, batches: Iterator[torch.Tensor], st
 class TimeCapExceeded(RuntimeError):
     """A training run hit its wall-clock safety cap: budgets are in steps, so this means something is wrong
     (a stalled machine, a mis-sized preset), and the run stops loudly instead of returning a shorter run."""
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters are (the device a trainer's batches go to)."""
+    return next(model.parameters()).device
 
 
 def train_lm(

@@ -18,6 +18,7 @@ from model import Transformer, rows_logprobs
 from rollout.types import Trajectory
 
 from .config import OPDConfig
+from .lm import model_device
 from .rl_losses import LossConfig, opd_advantage, policy_loss
 from .sao import Mismatch, layout
 
@@ -65,8 +66,11 @@ class OPDTrainer:
         """Score every trajectory's rows with its domain's teacher (grouped by teacher, prefetching)."""
         batches = [(self.route.get(t.domain, t.domain), layout([t])) for t in trajs]
 
-        def score(teacher: Transformer, rows) -> torch.Tensor:
-            return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0]
+        dev = model_device(self.student)
+
+        def score(teacher: Transformer, rows) -> torch.Tensor:  # on the teacher's device, returned on the student's
+            rows = rows.to(model_device(teacher))
+            return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0].to(dev)
 
         return self.teachers.score_batches(batches, score)
 
@@ -79,7 +83,7 @@ class OPDTrainer:
         t_lp = self.teacher_logprobs(trajs)
         mean_r = sum(t.reward for t in trajs) / len(trajs)
         self.student.train()
-        rows_of = [layout([t]) for t in trajs]
+        rows_of = [layout([t], device=model_device(self.student)) for t in trajs]
         n = sum(int(r.mask.sum()) for r in rows_of)
         first: dict[str, float] = {}
         for epoch in range(self.cfg.epochs):  # passes over the batch; the teacher scored it once

@@ -26,6 +26,7 @@ from rollout.types import Trajectory
 
 from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by_segments
 from .config import SAOConfig
+from .lm import model_device
 from .rl_losses import LossConfig, kl_penalty, policy_loss
 
 
@@ -36,7 +37,8 @@ class Critic(nn.Module):
         super().__init__()
         self.body = copy.deepcopy(actor)
         self.body.mtp_layers = nn.ModuleList()
-        self.head = nn.Linear(actor.config.hidden_size, 1)
+        w = self.body.norm.weight  # the head sits where the body is, in its dtype
+        self.head = nn.Linear(actor.config.hidden_size, 1, device=w.device, dtype=w.dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         for p in self.body.lm_head.parameters():
@@ -85,8 +87,19 @@ class Rows:
     versions: torch.Tensor | None = None  # [R, T] policy version that generated each token (-1 elsewhere)
     lengths: list[int] = field(default_factory=list)  # true (unpadded) length of each row
 
+    def to(self, device: torch.device | str) -> Rows:
+        """The rows with their tensors on `device` (where the model that reads them is)."""
+        return Rows(self.ids.to(device), self.mask.to(device), self.logp_rollout.to(device), self.owner,
+                    self.counts, None if self.versions is None else self.versions.to(device), self.lengths)
 
-def layout(trajs: list[Trajectory], pad_id: int = 0) -> Rows:
+
+def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str | None = None) -> Rows:
+    """The trajectories' segments as right-padded rows (on the CPU, or on `device`)."""
+    rows = _layout(trajs, pad_id)
+    return rows if device is None else rows.to(device)
+
+
+def _layout(trajs: list[Trajectory], pad_id: int) -> Rows:
     segs = [(j, s) for j, t in enumerate(trajs) for s in t.segments if s.tokens]
     width = max(len(s.tokens) for _, s in segs)
     r = len(segs)
@@ -195,25 +208,27 @@ class SAOTrainer:
     # ---- advantages -------------------------------------------------------------------------------
     @torch.no_grad()
     def advantages(self, trajs: list[Trajectory], rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        adv = torch.zeros_like(rows.logp_rollout)
-        ret = torch.zeros_like(rows.logp_rollout)
+        # computed on the host (a per-trajectory scan) and handed back on the rows' device
+        dev, mask = rows.ids.device, rows.mask.cpu()
+        adv = torch.zeros(mask.shape, dtype=torch.float32)
+        ret = torch.zeros(mask.shape, dtype=torch.float32)
         if self.cfg.loss == "grpo":
             a = grpo_advantages([t.reward for t in trajs], [t.env_id for t in trajs])
             for i, j in enumerate(rows.owner):
-                adv[i][rows.mask[i]] = a[j]
-            return adv, ret
-        values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows])
+                adv[i][mask[i]] = a[j]
+            return adv.to(dev), ret.to(dev)
+        values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows]).float().cpu()
                             for i in range(0, len(rows.owner), self.cfg.micro_rows)])
         for j, t in enumerate(trajs):
             mine = [i for i, o in enumerate(rows.owner) if o == j]
-            v = torch.cat([values[i][rows.mask[i]] for i in mine])
+            v = torch.cat([values[i][mask[i]] for i in mine])
             lam = adaptive_lambda(v.shape[0], self.cfg.alpha)
             a = gae(v, t.reward, self.cfg.gamma, lam)
             g = returns(v.shape[0], t.reward, self.cfg.gamma)
             for i, aa, gg in zip(mine, split_by_segments(a, rows.counts[j]), split_by_segments(g, rows.counts[j])):
-                adv[i][rows.mask[i]] = aa
-                ret[i][rows.mask[i]] = gg
-        return adv, ret
+                adv[i][mask[i]] = aa
+                ret[i][mask[i]] = gg
+        return adv.to(dev), ret.to(dev)
 
     def lr_at(self, step: int) -> float:
         """Actor lr of update `step` (0-based): linear warmup over `warmup_steps`, then constant. Adam's
@@ -232,7 +247,7 @@ class SAOTrainer:
         trajs = [t for t in trajs if t.status not in ("crashed", "aborted") and t.n_trainable]
         if self.cfg.replay_coef == 0 or not trajs:
             return 0
-        rows = layout(trajs)
+        rows = layout(trajs, device=model_device(self.actor))
         # the order rows are taken in: a fixed shuffle, so each step's rows mix the domains and patterns instead of
         # following the store's (environment) order; the same on every rank and after a resume
         self.replay_order = torch.randperm(len(rows.owner), generator=torch.Generator().manual_seed(0)).tolist()
@@ -296,7 +311,7 @@ class SAOTrainer:
         for i in range(0, len(trajs), size):
             chunk = trajs[i:i + size]
             mine = self._share(chunk)
-            rows = layout(mine) if mine else None
+            rows = layout(mine, device=model_device(self.actor)) if mine else None
             batches.append((rows, self.advantages(mine, rows)[1] if mine else None,
                             float(layout(chunk).mask.sum().clamp_min(1))))
         n = self.cfg.value_pretrain_steps if steps is None else steps
@@ -315,7 +330,7 @@ class SAOTrainer:
         self.actor.train()
         n_global = float(layout(kept).mask.sum().clamp_min(1)) if self.backend.world_size > 1 else None
         mine = self._share(kept)
-        rows = layout(mine) if mine else None
+        rows = layout(mine, device=model_device(self.actor)) if mine else None
         adv, ret = self.advantages(mine, rows) if mine else (None, None)
         if n_global is None:
             n_global = float(rows.mask.sum().clamp_min(1))

@@ -33,7 +33,7 @@ def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "megatron.json").read_text())
     assert not [s for s in ("parity", "sao", "tp2", "speed") if "error" in res.get(s, {})], res
-    p = res["parity"]["float32"]
+    p = res["parity"]["float32 vs temper fp32"]
     assert max(p["loss_rel"], p["logits_rel"], p["mtp_logits_rel"]) <= 1e-5 and p["grad_rel_max"] <= 1e-4
     assert res["sao"]["fp32"]["updated"] and res["sao"]["fp32"]["grad_rel_max"] <= 1e-4
     assert res["tp2"]["tp2 ep1"]["logits_rel"] <= 1e-5 and res["tp2"]["tp2 ep1"]["grad_rel_max"] <= 1e-4

@@ -29,6 +29,29 @@ from . import parallel
 from .convert import from_megatron, load_into, megatron_state
 
 
+def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast a MegatronGLM (before its weights are loaded) to `dtype` as Megatron's Float16Module does, every floating
+    tensor, but keep float32 what temper's own model keeps float32 through `.to(dtype)`: the routers' weight and
+    expert-bias state (Megatron's TopKRouter routes in fp32, `moe_router_dtype`, but stores its weight in
+    `params_dtype`), the indexer's head weights (`weights_proj`, temper's FP32Linear) and temper's KeepFP32 modules
+    (rotary). Megatron builds its own linears in `params_dtype` but temper's submodules (MLA's down-projections and
+    norms, the indexer) and its torch-fallback norms in float32: without this a bf16 model mixes the two and fails."""
+    if dtype == torch.float32:
+        return m
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    m.to(dtype)  # KeepFP32 modules restore their own float32 tensors
+    for mod in m.modules():
+        if isinstance(mod, TopKRouter):
+            for t in [*mod._parameters.values(), *mod._buffers.values()]:
+                if t is not None and t.is_floating_point():
+                    t.data = t.data.float()
+        wp = getattr(getattr(mod, "indexer", None), "weights_proj", None)
+        if wp is not None:
+            wp.weight.data = wp.weight.data.float()
+    return m
+
+
 class MegatronBackend(TrainBackend):
     def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *,
                  dtype: torch.dtype = torch.float32, dist_backend: str | None = None, timeout_s: float = 600.0):
@@ -65,6 +88,7 @@ class MegatronBackend(TrainBackend):
         with torch.random.fork_rng(devices=[]):
             m = MegatronGLM(cfg, transformer_config(cfg, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp,
                                                     dtype=self.dtype, perform_initialization=False))
+        cast_like_temper(m, self.dtype)  # before the load: the fp32 tensors get the exact fp32 values
         load_into(m, hf, tp=lay.tp, ep=lay.ep, etp=lay.etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank,
                   etp_rank=ps.get_expert_tensor_parallel_rank())
         return m.to(self.device)
