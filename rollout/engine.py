@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -127,8 +128,8 @@ class DecodeGraphs:
     graph. So the key count is not read from the device: the engine passes its own bound (the longest row after this
     step, which it tracks on the host), rounded up to the key bucket, as `Transformer.run(n_keys=…)`; keys past a
     row's positions are masked, so a larger bound changes nothing but the work. A warm-up run under
-    `torch.cuda.set_sync_debug_mode("error")` checks for syncs; any failure turns graphs off for good, with a warning
-    and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
+    `torch.cuda.set_sync_debug_mode("warn")` checks for syncs (the reason names the line); any failure turns graphs
+    off for good, with a warning and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
 
     MIN_KEYS = 64
 
@@ -167,6 +168,13 @@ class DecodeGraphs:
         self.stats.graph_replays += 1
         return s_logits[:b]
 
+    def step(self, ids: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """The captured decode step: the bounded forward, then the padding slot's length reset in place on the
+        device (`lengths[pad] = 0` would copy a host scalar in: a synchronous copy, which a capture refuses)."""
+        logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
+        self.cache.lengths.narrow(0, self.pad, 1).zero_()  # the padding rows' token is forgotten
+        return logits
+
     def _capture(self, size: int, n_keys: int) -> tuple:
         dev = self.cache.lengths.device
         ids = torch.zeros(size, 1, dtype=torch.long, device=dev)
@@ -174,19 +182,23 @@ class DecodeGraphs:
         n_new = torch.ones(size, dtype=torch.long, device=dev)
 
         def step() -> torch.Tensor:
-            logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
-            self.cache.lengths[self.pad] = 0  # the padding rows' token is forgotten
-            return logits
+            return self.step(ids, slots, n_new, n_keys)
 
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (lazy inits, allocator) off the capture, refusing host syncs
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode("warn")  # a warning carries the Python line that synced; an error not
             try:
-                step()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+        if syncs:
+            raise RuntimeError("a synchronizing CUDA operation in the decode step at "
+                               + ", ".join(sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

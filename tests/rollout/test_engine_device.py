@@ -179,16 +179,16 @@ def test_a_key_bound_gives_the_exact_forwards_outputs(micro_model):
         micro_model.run(ids[:1], cache=filled([2, 2, 2, 2]), slots=torch.tensor([0]), n_keys=65)
 
 
-def test_the_decode_forward_under_a_key_bound_reads_nothing_back(micro_model):
+def test_the_graph_step_reads_nothing_back(micro_model):
     """No op that makes CUDA wait for the host (a scalar read, nonzero, a boolean-mask index, bincount,
-    repeat_interleave by tensor, a tensor made from Python data) runs in the model's own code during a bounded decode
-    step: the ops are seen on the CPU through a dispatch mode. (The torch reference kernels may sync; on CUDA the
-    Triton kernels run instead, and the device bench captures the graph.)"""
+    repeat_interleave by tensor, a tensor made from Python data, a 0-dim host scalar copied in: what `t[i] = 0` does
+    on a CUDA tensor) runs in the model's or the engine's code during the step DecodeGraphs captures: the ops are seen
+    on the CPU through a dispatch mode. (The torch reference kernels may sync; on CUDA the Triton kernels run
+    instead.) On the H200, `lengths[pad] = 0` in that step kept every capture from happening."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from model.cache import KVCache
 
-    model_dir = str(Path(__file__).parents[2] / "model")
+    roots = [str(Path(__file__).parents[2] / "model"), str(Path(__file__).parents[2] / "rollout" / "engine.py")]
     syncing = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "lift_fresh", "unique_consecutive",
                "_unique2", "is_nonzero", "equal"}
     seen = []
@@ -200,26 +200,35 @@ def test_the_decode_forward_under_a_key_bound_reads_nothing_back(micro_model):
                 isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in (args[1] or []))
             by_tensor = name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and len(args) > 1 and \
                 isinstance(args[1], torch.Tensor) and (kwargs or {}).get("output_size") is None
-            if name in syncing or bool_index or by_tensor:
+            scalar_in = name == "copy_" and isinstance(args[1], torch.Tensor) and args[1].dim() == 0
+            if name in syncing or bool_index or by_tensor or scalar_in:
                 import traceback
 
                 stack = traceback.extract_stack()
-                frames = [f for f in stack if f.filename.startswith(model_dir)]
+                frames = [f for f in stack if f.filename.startswith(tuple(roots))]
                 if frames and not any("temper_kernels" in f.filename and f.name.endswith("_reference") for f in stack):
                     seen.append((name, f"{frames[-1].filename}:{frames[-1].lineno}"))
             return func(*args, **(kwargs or {}))
 
-    c = KVCache(micro_model.config, 4, 64)
+    eng = Engine(micro_model, n_slots=4, max_len=64, start=False)
+    graphs = DecodeGraphs(micro_model, eng.cache, 3, eng.stats)  # the cache's last slot is the padding slot
+    c = eng.cache
     with torch.no_grad():
-        for s, n in enumerate([20, 9, 30, 2]):
+        for s, n in enumerate([20, 9, 30]):
             micro_model.run(torch.arange(1, n + 1)[None], cache=c, slots=torch.tensor([s]))
-        ids, slots, n_new = torch.tensor([[3], [4], [5]]), torch.tensor([2, 0, 3]), torch.ones(3, dtype=torch.long)
+        ids, slots = torch.tensor([[3], [4], [5], [6]]), torch.tensor([2, 0, 1, graphs.pad])
+        n_new = torch.ones(4, dtype=torch.long)
         with Watch():
-            micro_model.run(ids, cache=c, slots=slots, n_new=n_new, n_keys=32)
-        assert seen == []
+            graphs.step(ids, slots, n_new, 32)
+        assert seen == [] and c.lengths.tolist() == [21, 10, 31, 0]
         with Watch():  # the check can fail: the unbounded forward reads the key count and the slots back
             micro_model.run(ids, cache=c, slots=slots, n_new=n_new)
         assert any(name == "_local_scalar_dense" for name, _ in seen)
+        seen.clear()
+        roots.append(__file__)
+        with Watch():  # and a host scalar written into a device tensor is seen (what the step did before)
+            c.lengths[graphs.pad] = 0
+        assert "copy_" in [name for name, _ in seen]
 
 
 def test_the_engine_bounds_the_keys_of_every_graph_step(micro_model):
