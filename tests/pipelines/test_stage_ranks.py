@@ -15,6 +15,17 @@ from model import Transformer, load_checkpoint
 from store import TrajectoryStore
 
 
+def _update_gap(a: dict, b: dict, init: dict) -> tuple[float, float]:
+    """(largest |update| of run a, share of the weights where the two runs' updates differ by more than 1% of that).
+    Adam's first steps move each weight by about lr·g/(|g| + eps): an element whose gradient is within rounding of
+    zero may land anywhere in ±lr on another reduction order (CI saw one 1.75e-5 off in a 1e-3 step), so the test
+    counts such weights instead of taking the largest difference; ranks that did not share their gradients would
+    differ almost everywhere."""
+    moved = max(float((a[k] - init[k]).abs().max()) for k in a)
+    off = sum(int(((a[k] - b[k]).abs() > moved / 100).sum()) for k in a)
+    return moved, off / sum(v.numel() for v in a.values())
+
+
 def test_sao_expert_under_torchrun_takes_the_one_rank_step(tmp_path):
     over = ["envs.n_train=8", "envs.n_eval=1", "envs.probes=false", "loop.steps=1", "sao.value_pretrain_steps=1",
             "loop.warm_rollouts=train", "sao.lr=1e-3", "sao.warmup_steps=0"]
@@ -49,9 +60,8 @@ def test_sao_expert_under_torchrun_takes_the_one_rank_step(tmp_path):
     assert curves[0][0]["entropy"] > 0 and curves[0][0]["value_loss"] > 0
     a, b = load_checkpoint(one["checkpoint"]).state_dict(), load_checkpoint(two["checkpoint"]).state_dict()
     init = load_checkpoint(str(tmp_path / "policy")).state_dict()
-    moved = max(float((a[k] - init[k]).abs().max()) for k in a)
-    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert moved > 1e-4 and gap < moved / 100, (moved, gap)  # half a batch per rank, averaged: the same step
+    moved, gap = _update_gap(a, b, init)
+    assert moved > 1e-4 and gap < 1e-3, (moved, gap)  # half a batch per rank, averaged: the same step
     # the store got each consumption row once per run (rank 0 writes; the other rank never opens the store)
     with TrajectoryStore(store, read_only=True) as st:
         rows = [r for r in st.consumption("sao") if r["step"] == 1]
@@ -72,6 +82,5 @@ def test_sft_warm_start_under_torchrun_takes_the_one_rank_steps(tmp_path):
     b = load_checkpoint(runs[2]["checkpoint"]).state_dict()
     torch.manual_seed(cfg.seed)
     init = Transformer(cfg.model).state_dict()
-    moved = max(float((a[k] - init[k]).abs().max()) for k in a)
-    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert moved > 1e-3 and gap < moved / 100, (moved, gap)
+    moved, gap = _update_gap(a, b, init)
+    assert moved > 1e-3 and gap < 1e-3, (moved, gap)
