@@ -12,6 +12,7 @@ One script, ≤ 8 minutes on one H200 including warm-up. It prints ratio tables 
 3. decode — the engine's greedy decode tokens/s at batch 1, 16, 64 vs transformers `generate`.
 4. parity — a tiny model trained for a few hundred SFT steps on the CPU in fp32, then its logits on a
    fixed input: bf16 on the GPU (Triton kernels) and fp32 on the GPU vs fp32 on the CPU.
+5. profile — the top 20 ops by self device time in one forward+backward of the 524M config.
 
 `--smoke` runs every section at toy shapes on whatever device there is (the CPU here: references only,
 or the Triton kernels under TRITON_INTERPRET=1 with TEMPER_KERNELS=triton) so the script stays working
@@ -400,6 +401,31 @@ def section_decode(dev, dtype, smoke: bool) -> None:
            "mean prefix shared with HF", "same as eager", "cuda graphs"], rows)
 
 
+# ---- 5. profile ----------------------------------------------------------------------------------------------
+def section_profile(dev, dtype, smoke: bool) -> None:
+    """Where one forward+backward of the 524M config spends its device time: the top kernels by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, ours = build_pair("smoke" if smoke else "524M", dev, dtype, smoke, with_hf=False)
+    b, t = (2, 64) if smoke else (4, 4096)
+    ids = torch.randint(0, ours.config.vocab_size, (b, t), device=dev, generator=torch.Generator(dev).manual_seed(1))
+    _fwd_bwd(ours, ids)  # warm-up: compiles, allocator
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _fwd_bwd(ours, ids)
+        sync(dev)
+    attr = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    evs = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    total = sum(getattr(e, attr) for e in evs)
+    top = sorted(evs, key=lambda e: -getattr(e, attr))[:20]
+    rows = [[e.key[:70], f"{getattr(e, attr) / 1e3:.2f}", e.count, f"{100 * getattr(e, attr) / total:.1f}%"] for e in top]
+    record("profile", "top", [{"op": e.key, "ms": getattr(e, attr) / 1e3, "calls": e.count} for e in top])
+    record("profile", "total_ms", total / 1e3)
+    table(f"one forward+backward, B={b}, T={t}: top ops by self {'device' if dev.type == 'cuda' else 'CPU'} time "
+          f"(total {total / 1e3:.1f} ms)", ["op", "ms", "calls", "share"], rows)
+
+
 # ---- 4. parity -----------------------------------------------------------------------------------------------
 def section_parity(dev, smoke: bool) -> None:
     """Train a tiny model briefly on the CPU (fp32), then compare its logits: GPU bf16 / GPU fp32 vs CPU fp32."""
@@ -448,8 +474,8 @@ def section_parity(dev, smoke: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="toy shapes on any device (checks the script)")
-    ap.add_argument("--sections", nargs="+", default=["kernels", "model", "decode", "parity"],
-                    choices=["kernels", "model", "decode", "parity"])
+    ap.add_argument("--sections", nargs="+", default=["kernels", "model", "decode", "parity", "profile"],
+                    choices=["kernels", "model", "decode", "parity", "profile"])
     ap.add_argument("--model-sizes", nargs="+", default=["524M", "2B"], choices=["524M", "2B"],
                     help="the model section's configs (2B: temper only)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -464,7 +490,8 @@ def main() -> None:
     FIGURES.run({"kernels": lambda: section_kernels(dev, dtype, args.smoke),
                  "model": lambda: section_model(dev, dtype, args.smoke, args.model_sizes),
                  "decode": lambda: section_decode(dev, dtype, args.smoke),
-                 "parity": lambda: section_parity(dev, args.smoke)}, args.sections)
+                 "parity": lambda: section_parity(dev, args.smoke),
+                 "profile": lambda: section_profile(dev, dtype, args.smoke)}, args.sections)
 
 if __name__ == "__main__":
     main()

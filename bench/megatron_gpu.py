@@ -151,27 +151,30 @@ def section_sao(dev, smoke: bool) -> None:
     from trainers.sao import SAOTrainer
 
     cfg = small_config(smoke)
-    torch.manual_seed(0)
-    ref = Transformer(cfg).to(dev)
-    be = MegatronBackend()
-    try:
-        mg = be.wrap(ref)
-        sc = SAOConfig(lr=1e-4, critic_updates=1, micro_rows=2, grad_clip=1e9)  # no clipping: the raw gradients
-        trajs = _trajs()
-        a = SAOTrainer(ref, sc).step(copy.deepcopy(trajs), 0)
-        b = SAOTrainer(mg, sc, backend=be).step(copy.deepcopy(trajs), 0)
-        ga = hf_grads(ref)
-        gb = from_megatron({(0, 0, 0): megatron_grads(mg)}, cfg)
-        worst = max((rel(gb[k], v), k) for k, v in ga.items() if not k.endswith("e_score_correction_bias"))
-        res = {"value_loss_rel": abs(a["value_loss"] - b["value_loss"]) / abs(a["value_loss"]),
-               "grad_norm_rel": abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"], "grad_rel_max": worst[0],
-               "worst_tensor": worst[1], "updated": bool(a["updated"] and b["updated"])}
-        record("sao", "fp32", res)
-        table("one SAO step, Megatron vs torch backend (fp32)", ["value loss rel", "grad norm rel", "max grad rel",
-                                                                 "worst tensor"],
-              [[res["value_loss_rel"], res["grad_norm_rel"], res["grad_rel_max"], res["worst_tensor"]]])
-    finally:
-        be.close()
+    rows = []
+    for dtype in [torch.float32] + ([torch.bfloat16] if dev.type == "cuda" else []):  # like against like
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        torch.manual_seed(0)
+        ref = Transformer(cfg).to(dev).to(dtype)
+        be = MegatronBackend(dtype=dtype)
+        try:
+            mg = be.wrap(ref)
+            sc = SAOConfig(lr=1e-4, critic_updates=1, micro_rows=2, grad_clip=1e9)  # no clipping: the raw gradients
+            trajs = _trajs()
+            a = SAOTrainer(ref, sc).step(copy.deepcopy(trajs), 0)
+            b = SAOTrainer(mg, sc, backend=be).step(copy.deepcopy(trajs), 0)
+            ga = {k: v.float() for k, v in hf_grads(ref).items()}
+            gb = from_megatron({(0, 0, 0): megatron_grads(mg)}, cfg)
+            worst = max((rel(gb[k], v), k) for k, v in ga.items() if not k.endswith("e_score_correction_bias"))
+            res = {"value_loss_rel": abs(a["value_loss"] - b["value_loss"]) / abs(a["value_loss"]),
+                   "grad_norm_rel": abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"], "grad_rel_max": worst[0],
+                   "worst_tensor": worst[1], "updated": bool(a["updated"] and b["updated"])}
+            record("sao", name, res)
+            rows.append([name, res["value_loss_rel"], res["grad_norm_rel"], res["grad_rel_max"], res["worst_tensor"]])
+        finally:
+            be.close()
+    table("one SAO step, Megatron vs torch backend", ["dtype", "value loss rel", "grad norm rel", "max grad rel",
+                                                      "worst tensor"], rows)
 
 
 # ---- 3. TP = 2 on the host -----------------------------------------------------------------------------------

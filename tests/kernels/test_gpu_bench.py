@@ -1,4 +1,4 @@
-"""bench/gpu.py stays runnable without a GPU: its --smoke mode runs the model, decode and parity sections at toy shapes
+"""bench/gpu.py stays runnable without a GPU: its --smoke mode runs the model, decode, parity and profile sections at toy shapes
 (the kernel section's kernels are covered one by one in test_kernels.py) and writes figures, not errors."""
 
 import json
@@ -13,15 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_bench_smoke_writes_every_section(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--smoke", "--sections", "model", "decode", "parity",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "profile", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "gpu.json").read_text())
-    assert not [s for s in ("model", "decode", "parity") if "error" in res.get(s, {})], res
+    assert not [s for s in ("model", "decode", "parity", "profile") if "error" in res.get(s, {})], res
     smoke = res["model"]["smoke"]
     assert smoke["temper_fwd_tok_s"] > 0 and smoke["max_abs_logit_diff_vs_hf"] < 1e-4  # same weights, same logits
     assert res["decode"]["batch1"]["temper_eager_tok_s"] > 0
     assert res["parity"]["torch.float32"]["max_abs_logit"] == 0.0  # the same fp32 model on the same device
     assert res["parity"]["torch.bfloat16"]["max_abs_logit"] > 0.0
+    top = res["profile"]["top"]
+    assert 0 < sum(e["ms"] for e in top) <= res["profile"]["total_ms"] + 1e-6 and any("mm" in e["op"] for e in top)
 
 
 @pytest.mark.slow
