@@ -110,31 +110,15 @@ def _rank_of(backend):
     return (backend.rank, backend.world_size)
 
 
-def test_launch_tries_another_port_when_its_port_was_taken(monkeypatch):
+def test_launch_tries_another_port_when_its_port_was_taken(squatted_port):
     """`free_port` can hand out a port that another process binds before the rendezvous does (two test workers, a busy
     host): the launch fails on EADDRINUSE and tries a new port. A port taken every time still fails, with the error."""
-    import socket
-
     import trainers.backends as tb
 
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    real, handed = tb.free_port, []
-
-    def first_taken():
-        handed.append(taken if not handed else real())
-        return handed[-1]
-
-    try:
-        monkeypatch.setattr(tb, "free_port", first_taken)
-        assert launch(_rank_of, 2) == [(0, 2), (1, 2)]
-        assert handed[0] == taken and len(handed) == 2
-        monkeypatch.setattr(tb, "free_port", lambda: taken)
-        with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="EADDRINUSE|address already in use"):
-            launch(_rank_of, 2)
-    finally:
-        squatter.close()
+    assert launch(_rank_of, 2) == [(0, 2), (1, 2)]
+    assert squatted_port.handed[0] == squatted_port.taken and len(squatted_port.handed) == 2
+    squatted_port.always()
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="EADDRINUSE|address already in use"):
+        launch(_rank_of, 2)
     assert tb.port_taken("code: -98, name: EADDRINUSE, message: address already in use")
     assert not tb.port_taken("RuntimeError: NaN loss")

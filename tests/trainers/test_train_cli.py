@@ -48,30 +48,15 @@ def test_sao_with_two_trainer_ranks_under_torchrun(tmp_path):
     assert (out / "rank0.weights").read_text() == (out / "rank1.weights").read_text()
 
 
-def test_torchrun_relaunch_tries_another_port_when_its_port_was_taken(monkeypatch, capsys):
+def test_torchrun_relaunch_tries_another_port_when_its_port_was_taken(squatted_port, capsys):
     """`temper train --world-size N` re-runs itself under torchrun on a port from `free_port`; another process can
     bind it first. torchrun then fails on EADDRINUSE and the command runs again on a new port; a port taken every
     time ends with torchrun's status and its error in the output."""
-    import socket
-
     import trainers.backends as tb
     from pipelines.train_cli import _torchrun
 
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    real, handed = tb.free_port, []
-
-    def first_taken():
-        handed.append(taken if not handed else real())
-        return handed[-1]
-
-    try:
-        monkeypatch.setattr(tb, "free_port", first_taken)
-        assert _torchrun(2, ["--help"]) == 0 and handed[0] == taken and len(handed) == 2
-        monkeypatch.setattr(tb, "free_port", lambda: taken)
-        assert _torchrun(2, ["--help"]) != 0
-        assert tb.port_taken(capsys.readouterr().out)
-    finally:
-        squatter.close()
+    assert _torchrun(2, ["--help"]) == 0
+    assert squatted_port.handed[0] == squatted_port.taken and len(squatted_port.handed) == 2
+    squatted_port.always()
+    assert _torchrun(2, ["--help"]) != 0
+    assert tb.port_taken(capsys.readouterr().out)
