@@ -186,6 +186,11 @@ def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
         peak_reset(dev)
         res["temper_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
         res["temper_fwdbwd_peak_gib"] = peak_gib(dev)
+        ours.activation_checkpointing = True  # trainer.activation_checkpointing: each layer recomputed in backward
+        peak_reset(dev)
+        res["temper_ckpt_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
+        res["temper_ckpt_fwdbwd_peak_gib"] = peak_gib(dev)
+        ours.activation_checkpointing = False
         if hf is not None:
             with torch.no_grad():
                 lo, lh = _logits(ours(ids[:1, :256])).float(), _logits(hf(ids[:1, :256])).float()
@@ -195,18 +200,22 @@ def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
             peak_reset(dev)
             res["hf_fwdbwd_s"] = bench(_fwd_bwd, dev, hf, ids, repeat=3, warmup=1)
             res["hf_fwdbwd_peak_gib"] = peak_gib(dev)
-        for k in ("fwd", "fwdbwd"):
-            flops = (2 if k == "fwd" else 6) * n_act * n
+        for k in ("fwd", "fwdbwd", "ckpt_fwdbwd"):
+            flops = (2 if k == "fwd" else 6) * n_act * n  # checkpointing's recompute is not counted as useful work
             tok = n / res[f"temper_{k}_s"]
             res[f"temper_{k}_tok_s"] = tok
             res[f"temper_{k}_mfu"] = flops / res[f"temper_{k}_s"] / (PEAK_TFLOPS * 1e12)
-            hf_tok = n / res[f"hf_{k}_s"] if f"hf_{k}_s" in res else float("nan")
+            hf_k = "fwdbwd" if k == "ckpt_fwdbwd" else k
+            hf_tok = n / res[f"hf_{hf_k}_s"] if f"hf_{hf_k}_s" in res else float("nan")
+            peak = res.get(f"temper_{k}_peak_gib", float("nan"))
+            hf_peak = res.get(f"hf_{k}_peak_gib", float("nan"))
             rows.append([size, k, f"{hf_tok:,.0f}", f"{tok:,.0f}", tok / hf_tok if hf_tok == hf_tok else "—",
-                         f"{100 * res[f'temper_{k}_mfu']:.1f}%"])
+                         f"{100 * res[f'temper_{k}_mfu']:.1f}%", f"{peak:.1f}", f"{hf_peak:.1f}"])
         record("model", size, res)
         hf = ours = None
         peak_reset(dev)
-    table(f"model tokens/s, B={b}, T={t}, {dtype}", ["config", "pass", "transformers", "temper", "ratio", "temper MFU"],
+    table(f"model tokens/s, B={b}, T={t}, {dtype} (ckpt_fwdbwd: with activation checkpointing)",
+          ["config", "pass", "transformers", "temper", "ratio", "temper MFU", "temper peak GiB", "transformers peak GiB"],
           rows)
 
 

@@ -30,7 +30,7 @@ import temper_kernels as kernels
 from temper_kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
 
 from .config import ModelConfig
-from .layers import FP32Linear, RMSNorm, apply_rope
+from .layers import FP32Linear, RMSNorm, apply_rope, replaying
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -168,7 +168,7 @@ class MLA(nn.Module):
         if not sparse:
             sel = None
 
-        if ctx.collect is not None and self.indexer_type != "none":
+        if ctx.collect is not None and self.indexer_type != "none" and not replaying():  # no_grad: nothing saved
             self._collect_attention(q_nope, q_pe, self._gather(ctx, pool), ctx, sel)
 
         impl = ctx.impl
@@ -228,18 +228,21 @@ class MLA(nn.Module):
                     return None
                 s = self._reduce_heads(kernels.indexer.scores_reference(q, w, k_all, relu))
                 s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
-                ctx.indexer_calls.append(self.layer_idx)
-                if collect:
+                replay = replaying()  # recomputing `s` for backward: the statistics were collected once already
+                if not replay:
+                    ctx.indexer_calls.append(self.layer_idx)
+                if collect and not replay:
                     ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
                 if not (sparse and keys_len > self.cfg.index_topk):
                     return None
                 sel = stable_topk(s.detach(), self.cfg.index_topk)
-                if collect:
+                if collect and not replay:
                     ctx.collect[-1]["sel"] = sel
                 return sel
             if not (sparse and keys_len > self.cfg.index_topk):
                 return None
-            ctx.indexer_calls.append(self.layer_idx)
+            if not replaying():
+                ctx.indexer_calls.append(self.layer_idx)
             return kernels.indexer_topk(q, w, k_all, ctx.qpos, self.cfg.index_topk, relu=relu)
 
     # ---- attention paths ----

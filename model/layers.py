@@ -14,6 +14,7 @@ bias of overloaded experts down and of underloaded experts up by `rate`.
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 import torch
@@ -23,6 +24,16 @@ from torch import nn
 import temper_kernels as kernels
 
 from .config import ModelConfig
+
+# ---- activation checkpointing -------------------------------------------------------------------------
+_replaying = contextvars.ContextVar("temper_replaying", default=False)
+
+
+def replaying() -> bool:
+    """True while a checkpointed layer is recomputed in backward (`Transformer.activation_checkpointing`): code with
+    side effects (the MoE's load counts, the indexer statistics a forward collects) skips them, so the replay
+    recomputes the saved tensors and changes nothing else."""
+    return _replaying.get()
 
 
 class KeepFP32(nn.Module):
@@ -182,7 +193,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, w = self.gate(flat)
-        if self.training:
+        if self.training and not replaying():  # counted once per forward, not again when a checkpoint replays it
             with torch.no_grad():
                 flat_idx = idx.reshape(-1)  # counts by index_add (exact: sums of ones); CUDA's bincount syncs
                 self.expert_load.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=self.expert_load.dtype))

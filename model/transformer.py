@@ -40,7 +40,7 @@ from torch import nn
 from .attention import MLA, AttnContext
 from .cache import KVCache
 from .config import ModelConfig
-from .layers import MLP, Experts, MoE, RMSNorm, Rotary, Router
+from .layers import MLP, Experts, MoE, RMSNorm, Rotary, Router, _replaying
 
 IMPLS = ("auto", "expanded", "absorbed")
 
@@ -83,7 +83,33 @@ class MTPLayer(nn.Module):
         return self.block(x, ctx, None)[0]
 
 
+def _checkpointed(layer: nn.Module, x: torch.Tensor, ctx: AttnContext, sel: torch.Tensor | None):
+    """`layer(x, ctx, sel)` keeping only its inputs for backward, which runs it again (non-reentrant
+    `torch.utils.checkpoint`) under `model.layers.replaying()`, so its side effects happen once."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = [0]
+
+    def run(x, sel):
+        calls[0] += 1
+        if calls[0] == 1:
+            return layer(x, ctx, sel)
+        token = _replaying.set(True)
+        try:
+            return layer(x, ctx, sel)
+        finally:
+            _replaying.reset(token)
+
+    return checkpoint(run, x, sel, use_reentrant=False)
+
+
 class Transformer(nn.Module):
+    """`activation_checkpointing`: training forwards (grad enabled, no cache) keep only each main layer's input and
+    recompute the layer in backward: activation memory of one layer instead of all, for about one more forward.
+    Set by the trainer backends from `trainer.activation_checkpointing`; not part of the checkpoint."""
+
+    activation_checkpointing: bool = False
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = cfg = config
@@ -195,8 +221,9 @@ class Transformer(nn.Module):
             collect=[] if collect_indexer else None, detach_indexer_input=detach_indexer_input,
         )
         sel = None
+        checkpointed = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for layer in self.layers:
-            x, sel = layer(x, ctx, sel)
+            x, sel = _checkpointed(layer, x, ctx, sel) if checkpointed else layer(x, ctx, sel)
         if cache is not None:
             cache.lengths[slots] = end
         out = self.lm_head(self.norm(x)) if logits else x.new_empty(0)

@@ -62,6 +62,14 @@ class TrainBackend(ABC):
     def is_main(self) -> bool:
         return self.rank == 0
 
+    activation_checkpointing = False  # set from `trainer.activation_checkpointing` by make_train_backend
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        """What every torch backend's `wrap` does to the model: its activation checkpointing switch."""
+        if self.activation_checkpointing and hasattr(model, "activation_checkpointing"):
+            model.activation_checkpointing = True
+        return model
+
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
         """Prepare a model for training (same initial weights on every rank); returns the module to use."""
@@ -118,7 +126,7 @@ class TorchBackend(TrainBackend):
         self.rank, self.world_size = 0, 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return model
+        return self._prepare(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -169,7 +177,7 @@ class DDPBackend(TrainBackend):
         with torch.no_grad():
             for t in _unique([*model.parameters(), *model.buffers()]):
                 dist.broadcast(t.data, src=0)
-        return model
+        return self._prepare(model)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -246,9 +254,9 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
         m = cfg.megatron
         return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
                                timeout_s=cfg.timeout_s)
-    if world_size > 1:
-        return DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s)
-    return TorchBackend()
+    be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s) if world_size > 1 else TorchBackend()
+    be.activation_checkpointing = cfg.activation_checkpointing
+    return be
 
 
 # ---- launching ---------------------------------------------------------------------------------------

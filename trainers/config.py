@@ -173,10 +173,16 @@ class TrainerConfig(BaseModel):
     world_size: int = Field(default=1, ge=1)
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is available, else gloo
     timeout_s: float = Field(default=600.0, gt=0)  # a collective that waits longer fails the stage loudly
+    # keep each layer's input only and recompute the layer in backward: activation memory of one layer, for about
+    # one more forward (torch backends; Megatron has its own recompute settings, not wired here)
+    activation_checkpointing: bool = False
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerConfig:
+        if self.kind == "megatron" and self.activation_checkpointing:
+            raise ValueError("trainer.activation_checkpointing: not available with trainer.kind=megatron (the "
+                             "Megatron model runs its own layer loop)")
         if self.kind != "megatron":
             return self
         m, w = self.megatron, self.world_size

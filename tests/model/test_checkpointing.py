@@ -1,0 +1,94 @@
+"""Activation checkpointing (`Transformer.activation_checkpointing`, `trainer.activation_checkpointing`): the same
+losses, gradients and side effects as the plain forward, with fewer tensors kept for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+import configs
+from model import Transformer, indexer_kl_loss, mtp_loss, next_token_loss
+
+
+def _loss(m: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+    """The LM trainer's loss: next token + MTP + the indexer's KL (its statistics collected in the forward)."""
+    out = m.run(ids, collect_indexer=True, detach_indexer_input=True)
+    total = next_token_loss(out.logits, ids, None) + 0.3 * mtp_loss(m, out.hidden, ids, None)
+    return total + indexer_kl_loss(out.indexer_stats), out.indexer_stats, out.indexer_calls
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps for backward while `fn` runs."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    plain = Transformer(configs.load("tiny").model).train()
+    with torch.no_grad():
+        for moe in plain.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0, 0.01)
+    ckpt = copy.deepcopy(plain)
+    ckpt.activation_checkpointing = True
+    return plain, ckpt
+
+
+def test_checkpointed_layers_give_the_same_loss_gradients_and_side_effects(pair):
+    plain, ckpt = pair
+    ids = torch.randint(0, 256, (3, 90), generator=torch.Generator().manual_seed(1))  # past index_topk 64: sparse
+    for m in pair:
+        m.zero_grad(set_to_none=True)
+        for moe in m.moe_layers():
+            moe.expert_load.zero_()
+    la, stats_a, calls_a = _loss(plain, ids)
+    lb, stats_b, calls_b = _loss(ckpt, ids)
+    la.backward()
+    lb.backward()
+    assert torch.equal(la.detach(), lb.detach())
+    # the statistics were collected once (the replay in backward adds no entry and no indexer call)
+    assert calls_a == calls_b and len(stats_a) == len(stats_b) > 0
+    grads = dict(plain.named_parameters())
+    for n, p in ckpt.named_parameters():
+        g = grads[n].grad
+        assert (g is None) == (p.grad is None), n
+        if g is not None:
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7, msg=n)
+    # the MoE load counts (the router-bias update reads them) were counted once, not again in the replay
+    for a, b in zip(plain.moe_layers(), ckpt.moe_layers()):
+        assert a.expert_load.sum() > 0 and torch.equal(a.expert_load, b.expert_load)
+
+
+def test_checkpointing_keeps_fewer_tensors_for_backward(pair):
+    plain, ckpt = pair
+    ids = torch.randint(0, 256, (3, 90), generator=torch.Generator().manual_seed(2))
+    full = _saved_bytes(lambda: plain.run(ids).logits.sum())
+    kept = _saved_bytes(lambda: ckpt.run(ids).logits.sum())
+    assert kept < full / 2, (kept, full)
+    with torch.no_grad():  # inference forwards are never checkpointed, and give the same logits
+        torch.testing.assert_close(ckpt.run(ids).logits, plain.run(ids).logits, rtol=0, atol=0)
+
+
+def test_the_trainer_config_turns_it_on_and_megatron_refuses_it():
+    from pydantic import ValidationError
+
+    from trainers.backends import make_train_backend
+    from trainers.config import TrainerConfig
+
+    be = make_train_backend(TrainerConfig(activation_checkpointing=True))
+    m = be.wrap(Transformer(configs.load("micro").model))
+    assert m.activation_checkpointing and not Transformer.activation_checkpointing
+    assert not make_train_backend(TrainerConfig()).wrap(Transformer(configs.load("micro").model)).activation_checkpointing
+    with pytest.raises(ValidationError, match="activation_checkpointing"):
+        TrainerConfig(kind="megatron", activation_checkpointing=True)
