@@ -121,8 +121,35 @@ def hf_config(size: str, smoke: bool):
                            routed_scaling_factor=2.5, max_position_embeddings=8192, **base)
 
 
-def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True):
-    """(transformers model or None, temper model) with the same weights, on dev in dtype."""
+def decode_fidelity_fp32(hf, ours, dev, smoke: bool) -> None:
+    """Greedy decode in fp32 on the device: the engine (eager, and with CUDA graphs where there is CUDA) against
+    transformers `generate`, token for token (in bf16 a random model's flat logits part them within a few tokens)."""
+    from rollout.engine import Engine, GenRequest
+    from rollout.sampling import SamplingParams
+
+    b, prompt, new = (2, 16, 8) if smoke else (4, 64, 32)
+    prompts = torch.randint(1, 200, (b, prompt), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf.generate(prompts.to(dev), attention_mask=torch.ones_like(prompts).to(dev), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)[:, prompt:].tolist()
+    res = {}
+    for graphs in ([False, True] if dev.type == "cuda" else [False]):
+        eng = Engine(ours, n_slots=b, max_len=prompt + new + 8, start=False, cuda_graphs=graphs)
+        reqs = [eng.submit(GenRequest(p.tolist(), SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)))
+                for p in prompts]
+        while not all(r.future.done() for r in reqs):
+            eng.step()
+        key = "graphs" if graphs else "eager"
+        res[f"{key}_same_as_hf"] = f"{sum(r.output_ids == w for r, w in zip(reqs, want))}/{b}"
+        res[f"{key}_cuda_graphs"] = str(eng.stats.cuda_graphs)
+        res[f"{key}_graph_replays"] = eng.stats.graph_replays
+    record("decode", "fp32_fidelity", res)
+    print(f"greedy decode in fp32, {b} × {new} tokens: {res}", flush=True)
+
+
+def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True, decode_check: bool = False):
+    """(transformers model or None, temper model) with the same weights, on dev in dtype. `decode_check`: first
+    compare the two's greedy decode in fp32 (`decode_fidelity_fp32`)."""
     import transformers
     from transformers import GlmMoeDsaForCausalLM
 
@@ -147,6 +174,8 @@ def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True):
                                        "logit_scale": b.abs().max().item(),
                                        "greedy_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()})
         del a, b
+    if decode_check:
+        decode_fidelity_fp32(hf, ours, dev, smoke)
     return hf.to(dtype), ours.to(dtype)
 
 
@@ -352,7 +381,7 @@ def section_decode(dev, dtype, smoke: bool) -> None:
     from rollout.engine import Engine, GenRequest
     from rollout.sampling import SamplingParams
 
-    hf, ours = build_pair("524M" if not smoke else "smoke", dev, dtype, smoke)
+    hf, ours = build_pair("524M" if not smoke else "smoke", dev, dtype, smoke, decode_check=True)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     prompt, new = (16, 8) if smoke else (64, 128)
