@@ -332,6 +332,30 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
 
     both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5, check=grad_check)
 
+    # the sparse MLA tiles: (heads, keys, warps) per program. Fewer heads per program load each selected row more
+    # times (64 heads / BH programs per query); more heads need more registers for the [BH, 512] accumulator
+    sweep = []
+    for blocks in ([(16, 16, 4), (32, 16, 8)] if smoke else
+                   [(16, 32, 4), (16, 32, 8), (32, 32, 8), (64, 32, 8), (16, 64, 4), (32, 64, 8), (64, 16, 8)]):
+        kmla.BLOCKS = blocks
+        try:
+            with torch.no_grad(), kernel_mode("triton"):
+                err = (kernels.sparse_mla(qm, kv, idx, qp, scale, dv).float() - o_r.float()).abs().max().item()
+                t_f = bench(lambda: kernels.sparse_mla(qm, kv, idx, qp, scale, dv), dev)
+            with kernel_mode("triton"):
+                t_fb = bench(lambda: fb(False), dev)
+            res = {"fwd_ms": 1e3 * t_f, "fwd_tflops": fl_f / t_f / 1e12, "fwdbwd_ms": 1e3 * t_fb,
+                   "max_abs_err": err}
+            sweep.append([str(blocks), f"{1e3 * t_f:.3f}", f"{fl_f / t_f / 1e12:,.1f}", f"{1e3 * t_fb:.3f}", err])
+        except Exception as e:  # out of registers or shared memory: a row that says so
+            res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            sweep.append([str(blocks), "—", "—", "—", res["error"][:80]])
+        finally:
+            kmla.BLOCKS = None
+        record("kernels", f"sparse_mla_tiles {blocks}", res)
+    table("sparse MLA tiles (heads, keys, warps per program)", ["tiles", "forward ms", "forward TFLOP/s",
+                                                                "fwd+bwd ms", "max |Δ| vs reference"], sweep)
+
     # MoE grouped GEMM (the 524M config's expert shapes, 16K tokens)
     n, hd, inter, e, topk_e = (64, 32, 16, 4, 2) if smoke else (16384, 1024, 704, 32, 4)
     x = torch.randn(n, hd, device=dev, generator=g).to(dtype)

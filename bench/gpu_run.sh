@@ -16,9 +16,9 @@ if [ "${1:-}" = all ]; then
   export PYTHONUNBUFFERED=1 SKIP_SMI=1  # 8 files come back from a device call: nvidia-smi's once, here
   mkdir -p "${OUT:-runs/gpu}"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "${OUT:-runs/gpu}/nvidia-smi.csv" 2>&1 || true
-  timeout 90 bash "$SELF" tests || echo "tests: exit $?"
+  timeout 60 bash "$SELF" tests || echo "tests: exit $?"
   timeout 150 bash "$SELF" megatron --sections parity sao speed || echo "megatron: exit $?"
-  timeout 240 bash "$SELF" --sections decode kernels model parity profile --model-sizes 524M || echo "gpu: exit $?"
+  timeout 280 bash "$SELF" --sections model decode kernels profile parity --model-sizes 524M || echo "gpu: exit $?"
   OUT="${OUT:-runs/gpu}/more" timeout 60 bash "$SELF" megatron --sections tp2 || echo "megatron tp2: exit $?"
   exit 0
 fi

@@ -161,10 +161,17 @@ if triton is not None:
         tl.store(dqb + DV + dr[None, :], (dqr * scale).to(dq_ptr.dtype.element_ty), mask=hm[:, None])
 
 
-def _blocks(h: int, dv: int) -> tuple[int, int]:
-    """(heads, keys) per tile: the [heads, DV] fp32 accumulator stays within ~32K registers' worth per program."""
+BLOCKS: tuple[int, int, int] | None = None  # (heads, keys, warps) per program for every launch; None: `_blocks`'
+# own choice. Set by bench/gpu.py's tile sweep (a knob for measuring, not a setting).
+
+
+def _blocks(h: int, dv: int) -> tuple[int, int, int]:
+    """(heads, keys, warps) per program: the [heads, DV] fp32 accumulator stays within ~32K registers' worth per
+    program (with 4 warps)."""
+    if BLOCKS is not None:
+        return BLOCKS
     bh = max(16, min(64, triton.next_power_of_2(h), 8192 // dv))
-    return bh, 32
+    return bh, 32, 4
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -179,13 +186,13 @@ class _SparseMLA(torch.autograd.Function):
         rows = rows.to(torch.long).contiguous()
         o = torch.empty(b, t, h, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
-        bh, bk = _blocks(h, dv)
+        bh, bk, warps = _blocks(h, dv)
         grid = (b * t, triton.cdiv(h, bh))
         _fwd_kernel[grid](
             q, kv, idx, qpos, rows, o, lse, t, h, idx.shape[-1], scale,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
             qpos.stride(0), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            DV=dv, DR=d - dv, BH=bh, BK=bk, PREC=_prec(q),
+            DV=dv, DR=d - dv, BH=bh, BK=bk, PREC=_prec(q), num_warps=warps,
         )
         ctx.save_for_backward(q, kv, idx, qpos, rows, o, lse)
         ctx.scale, ctx.dv = scale, dv
@@ -199,12 +206,12 @@ class _SparseMLA(torch.autograd.Function):
         delta = (o.float() * do.float()).sum(-1).contiguous()  # [B,T,H]
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        bh, bk = _blocks(h, ctx.dv)
+        bh, bk, warps = _blocks(h, ctx.dv)
         _bwd_kernel[(b * t, triton.cdiv(h, bh))](
             q, kv, idx, qpos, rows, do, lse, delta, dq, dkv, t, h, idx.shape[-1], ctx.scale,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
             qpos.stride(0), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
             dkv.stride(0), dkv.stride(1),
-            DV=ctx.dv, DR=d - ctx.dv, BH=bh, BK=bk, PREC=_prec(q),
+            DV=ctx.dv, DR=d - ctx.dv, BH=bh, BK=bk, PREC=_prec(q), num_warps=warps,
         )
         return dq, dkv.to(kv.dtype), None, None, None, None, None

@@ -150,7 +150,9 @@ def test_sparse_mla_reference_matches_a_slow_twin():
     assert got[1, 1].abs().max() == 0
 
 
-def test_sparse_mla_kernel_forward_and_backward_match_the_twin(triton_mode):
+@pytest.mark.parametrize("blocks", [None, (32, 16, 8)])  # the default tiles, and a sweep point of bench/gpu.py
+def test_sparse_mla_kernel_forward_and_backward_match_the_twin(triton_mode, blocks, monkeypatch):
+    monkeypatch.setattr(kmla, "BLOCKS", blocks)
     q, kv, idx, qpos, slots = _mla_inputs()
     got = kernels.sparse_mla(q, kv, idx, qpos, 0.3, 16, slots)
     want = kmla.sparse_mla_reference(q, kv, idx, qpos, 0.3, 16, slots)
