@@ -109,10 +109,10 @@ def _dist_backend():
 
     from trainers.backends import DDPBackend, TorchBackend
 
+    cuda = torch.cuda.is_available()  # the model trains on the GPU where there is one (rank r on GPU r under nccl)
     if "RANK" not in os.environ:
-        return TorchBackend()
-    return DDPBackend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                      backend="nccl" if torch.cuda.is_available() else "gloo")
+        return TorchBackend("cuda" if cuda else "cpu")
+    return DDPBackend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend="nccl" if cuda else "gloo")
 
 
 def _sao_run(args, resume: bool) -> int:

@@ -63,9 +63,12 @@ class TrainBackend(ABC):
         return self.rank == 0
 
     activation_checkpointing = False  # set from `trainer.activation_checkpointing` by make_train_backend
+    device = torch.device("cpu")  # where `wrap` puts the model (`trainer.device`)
 
     def _prepare(self, model: nn.Module) -> nn.Module:
-        """What every torch backend's `wrap` does to the model: its activation checkpointing switch."""
+        """What every torch backend's `wrap` does to the model: moves it to the backend's device and sets its
+        activation checkpointing switch."""
+        model = model.to(self.device)
         if self.activation_checkpointing and hasattr(model, "activation_checkpointing"):
             model.activation_checkpointing = True
         return model
@@ -122,8 +125,9 @@ class TrainBackend(ABC):
 class TorchBackend(TrainBackend):
     """One process: plain autograd, reductions are no-ops."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.rank, self.world_size = 0, 1
+        self.device = torch.device(device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return self._prepare(model)
@@ -157,9 +161,16 @@ class DDPBackend(TrainBackend):
         backend: str = "gloo",
         timeout_s: float = 120.0,
         bucket_bytes: int = 32 << 20,
+        device: torch.device | str | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         self.bucket_bytes = bucket_bytes
+        # nccl reduces CUDA tensors: each rank on its own GPU; gloo on the host unless told otherwise
+        if device is None:
+            device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -173,11 +184,12 @@ class DDPBackend(TrainBackend):
             dist.destroy_process_group()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Broadcast rank 0's parameters and buffers to every rank; returns the model itself."""
+        """The model on this rank's device with rank 0's parameters and buffers (broadcast)."""
+        model = self._prepare(model)
         with torch.no_grad():
             for t in _unique([*model.parameters(), *model.buffers()]):
                 dist.broadcast(t.data, src=0)
-        return self._prepare(model)
+        return model
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -187,7 +199,7 @@ class DDPBackend(TrainBackend):
         params = [p for p in _unique(model.parameters()) if p.requires_grad]
         if not params:
             return
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
         dist.all_reduce(has, op=dist.ReduceOp.SUM)
         live = []
         for p, n in zip(params, has.tolist()):
@@ -247,16 +259,30 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
     `world_size` ranks (`DDPBackend`), or Megatron-core (`trainers.megatron.backend.MegatronBackend`)."""
     import torch as _torch
 
-    kind = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if _torch.cuda.is_available() else "gloo")
+    device = training_device(cfg)
+    kind = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if cfg.kind == "megatron":
         from trainers.megatron.backend import MegatronBackend
 
         m = cfg.megatron
         return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
                                timeout_s=cfg.timeout_s)
-    be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s) if world_size > 1 else TorchBackend()
+    if world_size > 1:
+        be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s,
+                        device=None if device == "cuda" else "cpu")
+    else:
+        be = TorchBackend(device)
     be.activation_checkpointing = cfg.activation_checkpointing
     return be
+
+
+def training_device(cfg) -> str:
+    """`trainer.device` resolved: "cuda" or "cpu" ("auto": CUDA when there is one)."""
+    import torch as _torch
+
+    if cfg.device == "cuda" and not _torch.cuda.is_available():
+        raise ValueError("trainer.device: cuda, but torch sees no CUDA device here (use auto or cpu)")
+    return cfg.device if cfg.device != "auto" else ("cuda" if _torch.cuda.is_available() else "cpu")
 
 
 # ---- launching ---------------------------------------------------------------------------------------

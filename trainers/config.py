@@ -171,6 +171,9 @@ class TrainerConfig(BaseModel):
 
     kind: Literal["torch", "megatron"] = "torch"
     world_size: int = Field(default=1, ge=1)
+    # where the torch backends train: auto = CUDA when there is one (each rank on its own GPU under nccl); Megatron
+    # places its model itself
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl when CUDA is available, else gloo
     timeout_s: float = Field(default=600.0, gt=0)  # a collective that waits longer fails the stage loudly
     # keep each layer's input only and recompute the layer in backward: activation memory of one layer, for about

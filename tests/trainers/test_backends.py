@@ -122,3 +122,18 @@ def test_launch_tries_another_port_when_its_port_was_taken(squatted_port):
         launch(_rank_of, 2)
     assert tb.port_taken("code: -98, name: EADDRINUSE, message: address already in use")
     assert not tb.port_taken("RuntimeError: NaN loss")
+
+
+def test_trainer_device_places_the_model_and_names_its_key(monkeypatch):
+    """`trainer.device`: the backend's `wrap` puts the model there (checked with the meta device, which any machine
+    has); `auto` is the host without CUDA, and `cuda` without CUDA is refused with the key named."""
+    from trainers.backends import make_train_backend
+    from trainers.config import TrainerConfig
+
+    m = TorchBackend("meta").wrap(Transformer(configs.load("micro").model))
+    assert all(p.is_meta for p in m.parameters())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    be = make_train_backend(TrainerConfig())
+    assert isinstance(be, TorchBackend) and be.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="trainer.device: cuda"):
+        make_train_backend(TrainerConfig(device="cuda"))

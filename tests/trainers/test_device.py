@@ -106,3 +106,16 @@ def test_opd_step_on_cuda_equals_the_cpu_step_with_a_host_teacher():
     b = OPDTrainer(gpu, _Pool(teacher), oc).step(copy.deepcopy(trajs))
     assert abs(a["reverse_kl"] - b["reverse_kl"]) <= 1e-4 * abs(a["reverse_kl"])
     assert _update_rel(cpu, gpu, before) <= 1e-2
+
+
+def test_the_default_trainer_backend_trains_on_the_gpu():
+    """`trainer.device: auto` with CUDA: the pipeline's backend puts the model on the GPU, and a step runs there."""
+    from trainers.backends import make_train_backend
+    from trainers.config import TrainerConfig
+
+    be = make_train_backend(TrainerConfig())
+    m = be.wrap(_model())
+    assert all(p.is_cuda for p in m.parameters())
+    ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(4))
+    st = LMTrainer(m, TrainConfig(lr=1e-3, warmup_steps=0), backend=be).step(ids)
+    assert st.loss > 0
