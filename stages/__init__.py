@@ -801,7 +801,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
 
         pool = ServerTeacherPool(teachers, teacher_urls)
     else:
-        pool = TeacherPool(teachers, max_resident=2 if anchored else 1)  # the anchor is every step's second teacher
+        pool = TeacherPool(teachers, max_resident=2 if anchored else 1,  # the anchor is every step's second teacher
+                           device=next(student.parameters()).device)  # the teachers score where the student trains
     trainer = OPDTrainer(student, pool, cfg.opd, backend=dp, route=route)
     start, hist = 0, []
     if resuming:
