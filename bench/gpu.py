@@ -293,6 +293,31 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
     both("indexer top-k fp8", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=True),
          lambda: kernels.indexer_topk(q, w, k, qpos, topk, fp8=True), flops=fl, check=lambda: agree(True))
 
+    # the fp32 indexer's two kernels apart (scores + packed keys; streaming bitonic top-k), over a few tilings:
+    # (query rows, keys, warps) of the scores kernel and the top-k kernel's warps
+    sweep = []
+    want_sel = kix.indexer_topk_reference(q, w, k, qpos, topk)
+    for blocks in ([(16, 64, 4, 4), (32, 16, 8, 2)] if smoke else
+                   [(16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 8, 4), (32, 128, 8, 4), (16, 64, 4, 8), (16, 64, 4, 16)]):
+        kix.BLOCKS = blocks
+        try:
+            with kernel_mode("triton"):
+                same = torch.equal(kernels.indexer_topk(q, w, k, qpos, topk), want_sel)
+                t_all = bench(lambda: kernels.indexer_topk(q, w, k, qpos, topk), dev)
+                t_sc = bench(lambda: kix._indexer_topk_triton(q, w, k, qpos, topk, False, scores_only=True), dev)
+            res = {"all_ms": 1e3 * t_all, "scores_ms": 1e3 * t_sc, "topk_ms": 1e3 * (t_all - t_sc),
+                   "scores_tflops": fl / t_sc / 1e12, "identical_set": same}
+            sweep.append([str(blocks), f"{1e3 * t_all:.3f}", f"{1e3 * t_sc:.3f}", f"{1e3 * (t_all - t_sc):.3f}",
+                          f"{fl / t_sc / 1e12:,.1f}", same])
+        except Exception as e:  # out of resources: a row that says so
+            res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            sweep.append([str(blocks), "—", "—", "—", "—", res["error"][:80]])
+        finally:
+            kix.BLOCKS = None
+        record("kernels", f"indexer_tiles {blocks}", res)
+    table("fp32 indexer top-k tilings (scores: rows, keys, warps; top-k warps)", [
+        "tiles", "all ms", "scores ms", "top-k ms", "scores TFLOP/s", "identical set"], sweep)
+
     # sparse MLA (FlashMLA's shapes: 64 heads, d 576/512, top-2048)
     t, h, dv, dr, kk, s = (8, 4, 32, 16, 16, 64) if smoke else (4096, 64, 512, 64, 2048, 8192)
     qm = (torch.randn(1, t, h, dv + dr, device=dev, generator=g) * 0.1).to(dtype).requires_grad_()

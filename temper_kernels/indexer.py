@@ -167,7 +167,13 @@ if triton is not None:
         tl.store(out_ptr + row * so_row + offs, pos, mask=offs < TOPK)
 
 
-def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True) -> torch.Tensor:
+BLOCKS: tuple[int, int, int, int] | None = None  # (query rows, keys, warps) of the scores kernel and the top-k
+# kernel's warps; None: (16, 64, 4, 4). Set by bench/gpu.py's tile sweep (a knob for measuring, not a setting).
+
+
+def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True,
+                         scores_only: bool = False) -> torch.Tensor:
+    """`scores_only`: run the scores kernel alone (its time, for the bench) and return the packed keys' last chunk."""
     b, t, hi, d = q.shape
     s = k.shape[1]
     topk = min(topk, s)
@@ -182,7 +188,7 @@ def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True)
     upcast = q.dtype != torch.float32 and (q.device.type != "cuda" or not fp8_dot_supported(q.device))
     step = max(1, CHUNK_ELEMS // max(1, s * b))
     out = torch.empty(b, t, topk, dtype=torch.int64, device=q.device)
-    bt, bs = 16, 64
+    bt, bs, warps, topk_warps = BLOCKS or (16, 64, 4, 4)
     for t0 in range(0, t, step):
         n = min(step, t - t0)
         keys = torch.empty(b, n, s, dtype=torch.int64, device=q.device)
@@ -193,13 +199,15 @@ def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True)
             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0), k.stride(1),
             ks_arg.stride(0), qpos.stride(0), keys.stride(0), keys.stride(1),
             HI=hi, D=d, BT=bt, BS=bs, HAS_KS=ks is not None, UPCAST=upcast,
-            PREC="ieee", RELU=relu,
+            PREC="ieee", RELU=relu, num_warps=warps,
         )
+        if scores_only:
+            continue
         rows = keys.view(b * n, s)
         o = out[:, t0 : t0 + n].reshape(b * n, topk)
-        _topk_kernel[(b * n,)](rows, o, s, topk, rows.stride(0), o.stride(0), K=kp)
+        _topk_kernel[(b * n,)](rows, o, s, topk, rows.stride(0), o.stride(0), K=kp, num_warps=topk_warps)
         out[:, t0 : t0 + n] = o.view(b, n, topk)
-    return out
+    return keys if scores_only else out
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
