@@ -159,7 +159,9 @@ class Transformer(nn.Module):
         """`n_keys` (with a cache): the caller's bound on every row's keys after this step's writes. Given, the
         context reads nothing back from the device (no checks of `n_new`, no contiguity test, no `end.max()`): the
         forward has no host sync and can be captured in a CUDA graph (`rollout.engine.DecodeGraphs`). Keys past a
-        row's own positions are masked, so any bound at least the true one gives the same outputs."""
+        row's own positions are masked, so any bound at least the true one gives the same outputs (to float rounding
+        where the larger bound crosses the indexer's top-k and the step takes the selected path instead of the dense
+        one)."""
         if kw.get("impl", "auto") not in IMPLS:
             raise ValueError(f"impl: {kw['impl']!r} is not one of {', '.join(IMPLS)}")
         ar = torch.arange(t, device=device)

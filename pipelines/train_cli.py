@@ -101,18 +101,16 @@ def _torchrun(world_size: int, argv: list[str]) -> int:
     return proc.returncode
 
 
-def _dist_backend():
-    """The data-parallel runtime of this process: DDP when torchrun started it, else one process."""
+def _dist_backend(cfg):
+    """The training runtime of this process from `cfg.trainer` (device, activation checkpointing, dist backend):
+    data parallel over torchrun's ranks when torchrun started it, else one process."""
     import os
 
-    import torch
+    from trainers.backends import make_train_backend
 
-    from trainers.backends import DDPBackend, TorchBackend
-
-    cuda = torch.cuda.is_available()  # the model trains on the GPU where there is one (rank r on GPU r under nccl)
     if "RANK" not in os.environ:
-        return TorchBackend("cuda" if cuda else "cpu")
-    return DDPBackend(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend="nccl" if cuda else "gloo")
+        return make_train_backend(cfg.trainer)
+    return make_train_backend(cfg.trainer, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 def _sao_run(args, resume: bool) -> int:
@@ -129,9 +127,9 @@ def _sao_run(args, resume: bool) -> int:
     world = getattr(args, "world_size", 1)
     if world > 1 and "RANK" not in os.environ:
         return _torchrun(world, args.argv)
-    dp = _dist_backend()
-    con = Console(quiet=not dp.is_main)
     cfg, tok, sandbox, train, held = _setup(args, rl=True)
+    dp = _dist_backend(cfg)
+    con = Console(quiet=not dp.is_main)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

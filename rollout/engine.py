@@ -118,7 +118,8 @@ class EngineStats:
 
 class DecodeGraphs:
     """CUDA graphs of the plain decode forward (one new token per row), one per (batch bucket, key bucket): batch
-    buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len. Each is
+    buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len (and the
+    indexer's top-k). Each is
     captured on first use over static input buffers and replayed with the batch padded up to its bucket. Padding rows
     decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself resets, so they
     touch no real slot and always attend to one key.
@@ -127,7 +128,8 @@ class DecodeGraphs:
     copies) and no Python branch or shape that depends on the cache's contents: such a value would be frozen into the
     graph. So the key count is not read from the device: the engine passes its own bound (the longest row after this
     step, which it tracks on the host), rounded up to the key bucket, as `Transformer.run(n_keys=…)`; keys past a
-    row's positions are masked, so a larger bound changes nothing but the work. A warm-up run under
+    row's positions are masked, so a larger bound changes nothing but the work (a bound below the true count would
+    drop keys: the engine's is exact bookkeeping). A warm-up run under
     `torch.cuda.set_sync_debug_mode("warn")` checks for syncs (the reason names the line); any failure turns graphs
     off for good, with a warning and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
 
@@ -142,8 +144,12 @@ class DecodeGraphs:
         stats.cuda_graphs = "on"
 
     def key_bucket(self, n_keys: int) -> int:
-        """The smallest power of two ≥ n_keys (at least MIN_KEYS), capped at the cache's max_len."""
-        return min(max(self.MIN_KEYS, 1 << (max(n_keys, 1) - 1).bit_length()), self.cache.max_len)
+        """The smallest power of two ≥ n_keys (at least MIN_KEYS), capped at the cache's max_len; and never past the
+        indexer's top-k when n_keys is within it, so a rounded-up bound takes the same attention path as the exact
+        count (dense below the top-k, selected above it)."""
+        b = min(max(self.MIN_KEYS, 1 << (max(n_keys, 1) - 1).bit_length()), self.cache.max_len)
+        topk = self.model.config.index_topk if self.model.config.use_dsa else None
+        return topk if topk is not None and n_keys <= topk < b else b
 
     def run(self, ids: torch.Tensor, slots: torch.Tensor, n_keys: int) -> torch.Tensor | None:
         """Logits [B, 1, V] of one decode step of ids [B, 1] in `slots` [B], where no row has more than `n_keys`

@@ -41,6 +41,7 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     Deterministic: among entries equal to the k-th largest value the earliest positions win, so the
     selected *set* never depends on kernel scheduling (torch.topk gives no such guarantee on ties).
     """
+    scores = scores.nan_to_num(nan=float("-inf"))  # a NaN score never wins (torch.topk would rank it first)
     thr = scores.topk(k, dim=-1).values[..., -1:]
     above = scores > thr
     tie = scores == thr

@@ -165,9 +165,12 @@ class DDPBackend(TrainBackend):
     ):
         self.rank, self.world_size = rank, world_size
         self.bucket_bytes = bucket_bytes
-        # nccl reduces CUDA tensors: each rank on its own GPU; gloo on the host unless told otherwise
+        # nccl reduces CUDA tensors: each rank on its own GPU (its LOCAL_RANK, as torchrun sets it); gloo on the host
+        # unless told otherwise ("cuda": this rank's GPU, gloo reducing CUDA tensors)
         if device is None:
-            device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if backend == "nccl" else "cpu"
+            device = "cuda" if backend == "nccl" else "cpu"
+        if device == "cuda":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % max(1, torch.cuda.device_count())}"
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -261,6 +264,9 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
 
     device = training_device(cfg)
     kind = cfg.dist_backend if cfg.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if kind == "nccl" and device == "cpu":
+        raise ValueError("trainer.dist_backend: nccl reduces CUDA tensors, but trainer.device is cpu here "
+                         "(use gloo, or a CUDA device)")
     if cfg.kind == "megatron":
         from trainers.megatron.backend import MegatronBackend
 
@@ -268,8 +274,7 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
         return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
                                timeout_s=cfg.timeout_s)
     if world_size > 1:
-        be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s,
-                        device=None if device == "cuda" else "cpu")
+        be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device)
     else:
         be = TorchBackend(device)
     be.activation_checkpointing = cfg.activation_checkpointing

@@ -183,6 +183,9 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _layout(self) -> TrainerConfig:
+        if self.kind == "megatron" and self.device != "auto":
+            raise ValueError(f"trainer.device: {self.device} with trainer.kind=megatron (the Megatron backend places "
+                             "its model itself: CUDA when there is one); leave it at auto")
         if self.kind == "megatron" and self.activation_checkpointing:
             raise ValueError("trainer.activation_checkpointing: not available with trainer.kind=megatron (the "
                              "Megatron model runs its own layer loop)")

@@ -68,11 +68,12 @@ class OPDTrainer:
 
         dev = model_device(self.student)
 
-        def score(teacher: Transformer, rows) -> torch.Tensor:  # on the teacher's device, returned on the student's
+        def score(teacher: Transformer, rows) -> torch.Tensor:  # on the teacher's device
             rows = rows.to(model_device(teacher))
-            return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0].to(dev)
+            return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0]
 
-        return self.teachers.score_batches(batches, score)
+        # returned on the student's device, whoever scored them (a server pool returns host tensors)
+        return [t.to(dev) for t in self.teachers.score_batches(batches, score)]
 
     def step(self, trajs: list[Trajectory], current_version: int | None = None) -> dict:
         """One update on the student's own trajectories (crashed and empty ones dropped). With the version the

@@ -80,6 +80,32 @@ def test_indexer_topk_selects_the_identical_set_ties_included(triton_mode, topk,
     assert torch.equal(kix.indexer_topk_reference(q, w, k, qpos, topk), want)
 
 
+def test_stable_topk_never_picks_a_nan_and_reads_nothing_back():
+    """NaN scores lose (torch.topk would rank them first; the position-based selection then returned an index past
+    the end); and no op that makes CUDA wait for the host runs (seen on the CPU through a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    s = torch.tensor([[1.0, float("nan"), 2.0, 2.0], [float("nan")] * 3 + [0.0]])
+    assert kix.stable_topk(s, 2).tolist() == [[2, 3], [0, 3]]
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("nonzero", "_local_scalar_dense", "bincount", "masked_select"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    scores = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(0)).round()  # ties
+    logits = torch.randn(7, 16, generator=torch.Generator().manual_seed(1))
+    with Watch():
+        kix.stable_topk(scores, 8)
+        kmoe.route(logits, torch.zeros(16), 4, 4, 2, "sigmoid", True, 2.5)
+    assert seen == []
+    with Watch():  # the watch can fail
+        torch.bincount(torch.tensor([1, 2]))
+    assert seen == ["bincount"]
+
+
 def test_indexer_topk_random_scores_and_fewer_keys_than_topk(triton_mode):
     g = torch.Generator().manual_seed(1)
     q, w, k = torch.randn(2, 3, 2, 16, generator=g), torch.randn(2, 3, 2, generator=g), torch.randn(2, 20, 16, generator=g)

@@ -36,7 +36,8 @@ def _saved_bytes(fn) -> int:
 @pytest.fixture(scope="module")
 def pair():
     torch.manual_seed(0)
-    plain = Transformer(configs.load("tiny").model).train()
+    # two indexer groups, so a replayed layer writing into the last collected entry would show
+    plain = Transformer(configs.load("tiny", ["model.indexer_types=[full,shared,full,shared]"]).model).train()
     with torch.no_grad():
         for moe in plain.moe_layers():
             moe.gate.e_score_correction_bias.normal_(0, 0.01)
@@ -57,8 +58,13 @@ def test_checkpointed_layers_give_the_same_loss_gradients_and_side_effects(pair)
     la.backward()
     lb.backward()
     assert torch.equal(la.detach(), lb.detach())
-    # the statistics were collected once (the replay in backward adds no entry and no indexer call)
+    # the statistics were collected once: after backward (the replay) every entry is still the plain forward's,
+    # with no entry, indexer call, attention target or selection added or overwritten by the replay
     assert calls_a == calls_b and len(stats_a) == len(stats_b) > 0
+    for ea, eb in zip(stats_a, stats_b):
+        assert ea["layer"] == eb["layer"] and torch.equal(ea["sel"], eb["sel"])
+        torch.testing.assert_close(eb["target"], ea["target"], rtol=0, atol=0)
+        torch.testing.assert_close(eb["index_logits"].detach(), ea["index_logits"].detach(), rtol=0, atol=0)
     grads = dict(plain.named_parameters())
     for n, p in ckpt.named_parameters():
         g = grads[n].grad
@@ -68,6 +74,15 @@ def test_checkpointed_layers_give_the_same_loss_gradients_and_side_effects(pair)
     # the MoE load counts (the router-bias update reads them) were counted once, not again in the replay
     for a, b in zip(plain.moe_layers(), ckpt.moe_layers()):
         assert a.expert_load.sum() > 0 and torch.equal(a.expert_load, b.expert_load)
+
+
+def test_the_replay_adds_no_indexer_call_without_statistics(pair):
+    plain, ckpt = pair
+    ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(3))
+    outs = [m.run(ids) for m in pair]
+    for o in outs:
+        o.logits.float().sum().backward()
+    assert outs[0].indexer_calls and outs[1].indexer_calls == outs[0].indexer_calls
 
 
 def test_checkpointing_keeps_fewer_tensors_for_backward(pair):

@@ -231,6 +231,19 @@ def test_the_graph_step_reads_nothing_back(micro_model):
         assert "copy_" in [name for name, _ in seen]
 
 
+def test_key_buckets_cover_the_count_and_keep_the_dense_path(micro_model):
+    """A key bucket is at least the count, at most the cache's max_len, and never crosses the indexer's top-k from
+    below (a step with no more keys than the top-k stays dense, as eager decode is)."""
+    from model.cache import KVCache
+
+    topk = micro_model.config.index_topk  # 8 here: below MIN_KEYS
+    g = DecodeGraphs(micro_model, KVCache(micro_model.config, 3, 200), 2, Engine(micro_model, start=False).stats)
+    for n in range(1, 201):
+        kb = g.key_bucket(n)
+        assert n <= kb <= 200 and (kb <= topk if n <= topk else kb > topk), (n, kb)
+    assert g.key_bucket(9) == 64 and g.key_bucket(65) == 128 and g.key_bucket(129) == 200 and g.key_bucket(3) == topk
+
+
 def test_the_engine_bounds_the_keys_of_every_graph_step(micro_model):
     """The key count the engine hands DecodeGraphs (from its host-side bookkeeping) is never below a row's true
     count after the step, through session prefix reuse, stops and a flush: a stand-in for the graphs checks it on

@@ -137,3 +137,7 @@ def test_trainer_device_places_the_model_and_names_its_key(monkeypatch):
     assert isinstance(be, TorchBackend) and be.device == torch.device("cpu")
     with pytest.raises(ValueError, match="trainer.device: cuda"):
         make_train_backend(TrainerConfig(device="cuda"))
+    with pytest.raises(ValueError, match="trainer.dist_backend: nccl"):
+        make_train_backend(TrainerConfig(device="cpu", dist_backend="nccl", world_size=2), 0, 2)
+    with pytest.raises(ValueError, match="trainer.device: cpu with trainer.kind=megatron"):
+        TrainerConfig(kind="megatron", device="cpu")
