@@ -96,14 +96,29 @@ class _Pool:
         return [fn(self.teacher, rows) for _, rows in batches]
 
 
-def test_opd_step_on_cuda_equals_the_cpu_step_with_a_host_teacher():
+class _HostPool:
+    """Like ServerTeacherPool: ignores the scoring function and returns host tensors (a server's answers)."""
+
+    def __init__(self, teacher):
+        self.teacher = teacher
+
+    def score_batches(self, batches, fn):
+        from model import rows_logprobs
+
+        return [rows_logprobs(self.teacher, rows.ids.cpu(), rows.lengths, True)[0].cpu() for _, rows in batches]
+
+
+@pytest.mark.parametrize("pool", ["model", "server"])
+def test_opd_step_on_cuda_equals_the_cpu_step_with_a_host_teacher(pool):
+    """A teacher on the host: its scores come back to the student's device, from the scoring function (`model`) or
+    as host tensors, as a server pool returns them (`server`)."""
     cpu, gpu, before = _pair()
     teacher = _model(seed=5)  # stays on the host: its scores come back to the student's device
     rng = random.Random(3)
     trajs = [_traj(rng, r) for r in (1.0, 0.0, 1.0, 0.0)]
     oc = OPDConfig(lr=1e-3)
     a = OPDTrainer(cpu, _Pool(teacher), oc).step(copy.deepcopy(trajs))
-    b = OPDTrainer(gpu, _Pool(teacher), oc).step(copy.deepcopy(trajs))
+    b = OPDTrainer(gpu, (_Pool if pool == "model" else _HostPool)(teacher), oc).step(copy.deepcopy(trajs))
     assert abs(a["reverse_kl"] - b["reverse_kl"]) <= 1e-4 * abs(a["reverse_kl"])
     assert _update_rel(cpu, gpu, before) <= 1e-2
 
@@ -119,27 +134,3 @@ def test_the_default_trainer_backend_trains_on_the_gpu():
     ids = torch.randint(0, 256, (2, 90), generator=torch.Generator().manual_seed(4))
     st = LMTrainer(m, TrainConfig(lr=1e-3, warmup_steps=0), backend=be).step(ids)
     assert st.loss > 0
-
-
-class _HostPool:
-    """Like ServerTeacherPool: ignores the scoring function and returns host tensors (a server's answers)."""
-
-    def __init__(self, teacher):
-        self.teacher = teacher
-
-    def score_batches(self, batches, fn):
-        from model import rows_logprobs
-
-        return [rows_logprobs(self.teacher, rows.ids.cpu(), rows.lengths, True)[0].cpu() for _, rows in batches]
-
-
-def test_opd_step_on_cuda_with_a_pool_that_returns_host_tensors():
-    cpu, gpu, before = _pair()
-    teacher = _model(seed=5)
-    rng = random.Random(3)
-    trajs = [_traj(rng, r) for r in (1.0, 0.0, 1.0, 0.0)]
-    oc = OPDConfig(lr=1e-3)
-    a = OPDTrainer(cpu, _Pool(teacher), oc).step(copy.deepcopy(trajs))
-    b = OPDTrainer(gpu, _HostPool(teacher), oc).step(copy.deepcopy(trajs))
-    assert abs(a["reverse_kl"] - b["reverse_kl"]) <= 1e-4 * abs(a["reverse_kl"])
-    assert _update_rel(cpu, gpu, before) <= 1e-2
