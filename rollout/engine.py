@@ -116,6 +116,29 @@ class EngineStats:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
+
+
+def syncs_in(fn) -> list[str]:
+    """Run `fn`; return the `file:line`s where it (this thread) raised the sync-debug warning. Warnings from other
+    threads in the meantime (an in-process trainer, say) are neither counted nor swallowed: they reach the handler
+    that was there before."""
+    me, found = threading.get_ident(), set()
+    with warnings.catch_warnings():  # restores the filters and the handler below when it exits
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == me and SYNC_WARNING in str(message):
+                found.add(f"{Path(filename).name}:{lineno}")
+            else:
+                before(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        fn()
+    return sorted(found)
+
+
 class DecodeGraphs:
     """CUDA graphs of the plain decode forward (one new token per row), one per (batch bucket, key bucket): batch
     buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len (and the
@@ -196,15 +219,11 @@ class DecodeGraphs:
         with torch.cuda.stream(side):  # warm-up (lazy inits, allocator) off the capture, refusing host syncs
             torch.cuda.set_sync_debug_mode("warn")  # a warning carries the Python line that synced; an error not
             try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    step()
+                syncs = syncs_in(step)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
         if syncs:
-            raise RuntimeError("a synchronizing CUDA operation in the decode step at "
-                               + ", ".join(sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})))
+            raise RuntimeError("a synchronizing CUDA operation in the decode step at " + ", ".join(syncs))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

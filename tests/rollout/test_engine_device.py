@@ -231,6 +231,30 @@ def test_the_graph_step_reads_nothing_back(micro_model):
         assert "copy_" in [name for name, _ in seen]
 
 
+def test_the_sync_check_counts_this_threads_syncs_only(recwarn):
+    """The capture warm-up's check: a sync warning from the decode step is found with its line; one another thread
+    raises meanwhile (an in-process trainer's `.item()`) is not blamed on the step and still reaches the handler."""
+    import threading
+    import warnings
+
+    from rollout.engine import SYNC_WARNING, syncs_in
+
+    def other():
+        warnings.warn(f"called a {SYNC_WARNING} (other thread)", UserWarning, stacklevel=1)
+
+    def step():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        warnings.warn(f"called a {SYNC_WARNING}", UserWarning, stacklevel=1)  # the line syncs_in reports
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+
+    got = syncs_in(step)
+    assert len(got) == 1 and got[0].startswith("test_engine_device.py:")
+    assert [str(w.message) for w in recwarn] == [f"called a {SYNC_WARNING} (other thread)", "an unrelated warning"]
+    assert syncs_in(lambda: None) == []
+
+
 def test_key_buckets_cover_the_count_and_keep_the_dense_path(micro_model):
     """A key bucket is at least the count, at most the cache's max_len, and never crosses the indexer's top-k from
     below (a step with no more keys than the top-k stays dense, as eager decode is)."""
