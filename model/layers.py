@@ -195,8 +195,7 @@ class MoE(nn.Module):
         idx, w = self.gate(flat)
         if self.training and not replaying():  # counted once per forward, not again when a checkpoint replays it
             with torch.no_grad():
-                flat_idx = idx.reshape(-1)  # counts by index_add (exact: sums of ones); CUDA's bincount syncs
-                self.expert_load.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=self.expert_load.dtype))
+                self.expert_load += kernels.moe.expert_counts(idx, self.cfg.n_routed_experts)  # no host sync
         y = self.experts(flat, idx, w).view(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -80,25 +80,17 @@ def _torchrun(world_size: int, argv: list[str]) -> int:
     """Re-run this command under torchrun with `world_size` ranks (gloo on CPU, nccl on GPU); returns its status.
     Its output is passed through as it comes; when the rendezvous port was taken between `free_port` and torchrun's
     bind (EADDRINUSE), it runs again on another port, up to `PORT_TRIES` times."""
-    import subprocess
     import sys
-    from collections import deque
 
-    from trainers import backends
+    from trainers.backends import run_torchrun
 
-    for attempt in range(backends.PORT_TRIES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
-               "127.0.0.1", "--master_port", str(backends.free_port()), "-m", "pipelines.cli", *argv]
-        tail: deque[str] = deque(maxlen=30)
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                tail.append(line)
-        if proc.returncode == 0 or attempt + 1 == backends.PORT_TRIES or not backends.port_taken("".join(tail)):
-            return proc.returncode
-        print("torchrun: its rendezvous port was taken before it bound it; again on another", file=sys.stderr)
-    return proc.returncode
+    def echo(line: str) -> bool:  # passed through as it comes, and kept for the port check
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        return True
+
+    return run_torchrun(world_size, ["pipelines.cli", *argv], echo, lambda: print(
+        "torchrun: its rendezvous port was taken before it bound it; again on another", file=sys.stderr))[0]
 
 
 def _dist_backend(cfg):

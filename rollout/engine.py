@@ -142,8 +142,8 @@ def syncs_in(fn) -> list[str]:
 class DecodeGraphs:
     """CUDA graphs of the plain decode forward (one new token per row), one per (batch bucket, key bucket): batch
     buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len (and the
-    indexer's top-k). Each is
-    captured on first use over static input buffers and replayed with the batch padded up to its bucket. Padding rows
+    indexer's top-k). Each is captured on first use over static input buffers and replayed with the batch padded up
+    to its bucket. Padding rows
     decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself resets, so they
     touch no real slot and always attend to one key.
 

@@ -31,11 +31,7 @@ def under_torchrun(stage: str, cfg, kwargs: dict, out: Path, log=_quiet, metrics
     """Run `stage` with `kwargs` under `torchrun` with `cfg.trainer.world_size` ranks (`stages/ranks.py`) and
     return rank 0's result. Rank 0's `@log` / `@metrics` lines are relayed to `log` / `metrics`; a rank that fails
     fails the stage, with the tail of the output in the error."""
-    import subprocess
-    import sys
-    from collections import deque
-
-    from trainers.backends import PORT_TRIES, free_port, port_taken
+    from trainers.backends import run_torchrun
 
     world = cfg.trainer.world_size
     d = out / "ranks"
@@ -46,24 +42,22 @@ def under_torchrun(stage: str, cfg, kwargs: dict, out: Path, log=_quiet, metrics
             "kwargs": {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}}
     _dump(d / "spec.json", spec)
     log(f"{stage}: {world} trainer ranks under torchrun")
-    for attempt in range(PORT_TRIES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), "-m", "stages.ranks", str(d / "spec.json")]
-        tail: deque[str] = deque(maxlen=30)
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-            for line in proc.stdout:
-                if line.startswith("@log "):
-                    log(json.loads(line[5:]))
-                elif line.startswith("@metrics "):
-                    m = json.loads(line[9:])
-                    metrics(m["values"], m["step"])
-                else:
-                    tail.append(line.rstrip())
-        if proc.returncode == 0 or attempt + 1 == PORT_TRIES or not port_taken("\n".join(tail)):
-            break
-        log(f"{stage}: the rendezvous port was taken before torchrun bound it; again on another")
-    if proc.returncode != 0 or not result.exists():
-        raise RuntimeError(f"{stage} under torchrun ({world} ranks) failed with exit status {proc.returncode}:\n"
+
+    def relay(line: str) -> bool:  # rank 0's log lines and metrics go on; the rest is the error tail
+        if line.startswith("@log "):
+            log(json.loads(line[5:]))
+        elif line.startswith("@metrics "):
+            m = json.loads(line[9:])
+            metrics(m["values"], m["step"])
+        else:
+            return True
+        return False
+
+    status, tail = run_torchrun(world, ["stages.ranks", str(d / "spec.json")], relay,
+                                lambda: log(f"{stage}: the rendezvous port was taken before torchrun bound it; again "
+                                            "on another"))
+    if status != 0 or not result.exists():
+        raise RuntimeError(f"{stage} under torchrun ({world} ranks) failed with exit status {status}:\n"
                            + "\n".join(tail))
     return json.loads(result.read_text())
 

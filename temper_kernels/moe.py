@@ -47,6 +47,13 @@ def route(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, nor
     return idx, w * scaling
 
 
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert [n_experts] (int64) of expert ids `idx`, on their device, by scatter-add: CUDA's `bincount`
+    reads the ids' max back to the host (a sync)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def moe_experts_reference(x, idx, w, gate_up, down) -> torch.Tensor:
     """The torch twin: a loop over experts on their contiguous slices (host sync on the counts)."""
     n, k = idx.shape
@@ -75,9 +82,7 @@ def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
     e = gate_up.shape[0]
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
-    # per-expert counts by scatter-add: CUDA's bincount reads the input's max back to the host (a sync)
-    ends = torch.zeros(e, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    ends = ends.cumsum(0).to(torch.int32)
+    ends = expert_counts(flat, e).cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)
     g, u = grouped_mm(xs, gate_up, ends).chunk(2, dim=-1)
     ys = grouped_mm(F.silu(g) * u, down, ends) * w.reshape(-1)[order, None].to(x.dtype)

@@ -307,6 +307,30 @@ def port_taken(output: str) -> bool:
     return "EADDRINUSE" in output or "address already in use" in output.lower()
 
 
+def run_torchrun(world_size: int, module_argv: list[str], on_line: Callable[[str], bool],
+                 on_retry: Callable[[], None] = lambda: None) -> tuple[int, list[str]]:
+    """`python -m torch.distributed.run --nproc_per_node world_size … -m <module_argv>` on 127.0.0.1 with a port from
+    `free_port`; every output line (stdout and stderr) goes to `on_line`, which returns whether it belongs in the
+    tail kept for errors. When the port was taken before torchrun bound it (EADDRINUSE), it runs again on another,
+    up to `PORT_TRIES` times (`on_retry` says so). Returns (exit status, the last 30 kept lines)."""
+    import subprocess
+    import sys
+    from collections import deque
+
+    for attempt in range(PORT_TRIES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), "-m", *module_argv]
+        tail: deque[str] = deque(maxlen=30)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                if on_line(line):
+                    tail.append(line.rstrip("\n"))
+        if proc.returncode == 0 or attempt + 1 == PORT_TRIES or not port_taken("\n".join(tail)):
+            break
+        on_retry()
+    return proc.returncode, list(tail)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -94,12 +94,7 @@ class Rows:
 
 
 def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str | None = None) -> Rows:
-    """The trajectories' segments as right-padded rows (on the CPU, or on `device`)."""
-    rows = _layout(trajs, pad_id)
-    return rows if device is None else rows.to(device)
-
-
-def _layout(trajs: list[Trajectory], pad_id: int) -> Rows:
+    """The trajectories' segments as right-padded rows (built on the host, then on `device` when given)."""
     segs = [(j, s) for j, t in enumerate(trajs) for s in t.segments if s.tokens]
     width = max(len(s.tokens) for _, s in segs)
     r = len(segs)
@@ -115,7 +110,8 @@ def _layout(trajs: list[Trajectory], pad_id: int) -> Rows:
         ver[i, :n] = torch.tensor(s.versions)
     mask[:, 0] = False
     counts = [[int(sum(s.loss_mask)) for s in t.segments if s.tokens] for t in trajs]
-    return Rows(ids, mask, lpr, [j for j, _ in segs], counts, ver, [len(s.tokens) for _, s in segs])
+    rows = Rows(ids, mask, lpr, [j for j, _ in segs], counts, ver, [len(s.tokens) for _, s in segs])
+    return rows if device is None else rows.to(device)
 
 
 class Mismatch:
