@@ -136,7 +136,10 @@ def _sao_run(args, resume: bool) -> int:
     elif dp.is_main:
         (out / "run.json").write_text(json.dumps({"command": "sao", "args": vars(args),
                                                   "config": cfg.model_dump(mode="json")}, indent=1, default=str))
-    before = evaluate(model, held, tok, sandbox, cfg.agent) if start == 0 and dp.is_main else None
+    before = None
+    if start == 0:
+        first = dp.export(model)  # temper's model (every rank: a collective where ranks hold shards)
+        before = evaluate(first, held, tok, sandbox, cfg.agent) if dp.is_main else None
     hist: list[dict] = []
     prog, task = _progress(con, args.steps, "sao")
     with prog:
@@ -146,19 +149,20 @@ def _sao_run(args, resume: bool) -> int:
             step = start + len(hist) + 1
             hist.append(st)
             prog.update(task, completed=step, description=f"reward {st['batch_reward']:.2f} v{st['version']}")
-            if (step % args.save_every == 0 or step == args.steps) and dp.is_main:
-                loop.save_state(out / "state", step)
+            if (step % args.save_every == 0 or step == args.steps) and (dp.is_main or dp.sharded_state):
+                loop.save_state(out / "state", step)  # sharded (Megatron): every rank saves its part
 
         loop.run(max(0, args.steps - start), on_step)
+    final = dp.export(model)
     if dp.world_size > 1:  # every rank records what it holds (they must agree)
         from model import weights_checksum
 
-        (out / f"rank{dp.rank}.weights").write_text(weights_checksum(model))
+        (out / f"rank{dp.rank}.weights").write_text(weights_checksum(final))
     if not dp.is_main:  # rank 0 evaluates and writes; the others hold the same weights
         dp.close()
         return 0
-    after = evaluate(model, held, tok, sandbox, cfg.agent)
-    save_checkpoint(model, out / "checkpoint", policy_version=loop.version)
+    after = evaluate(final, held, tok, sandbox, cfg.agent)
+    save_checkpoint(final, out / "checkpoint", policy_version=loop.version)
     rep = {"steps": start + len(hist), "pass@1_before": before["pass@1"] if before else None,
            "pass@1_after": after["pass@1"], "domain_after": after["domain"],
            "reward_curve": [h["batch_reward"] for h in hist], "dropped_stale": loop.trainer.dropped["stale"]}

@@ -294,7 +294,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     model = dp.wrap(Transformer(cfg.model))
     trainer, elapsed = LMTrainer(model, cfg.train, backend=dp), 0.0
     if complete_checkpoints(out / "state"):
-        state = restore(load_training_state(out / "state"), model, trainer.opt)
+        state = restore(load_training_state(out / "state"), model, trainer.opt, backend=dp)
         start = trainer.step_no = state.step
         elapsed, losses = state.extra["elapsed"], list(state.extra["loss"])
         log(f"SFT: resumed from {state.path} (step {start})")
@@ -306,10 +306,10 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     def on_step(st) -> None:
         losses.append(round(st.loss, 5))
         metrics({"sft_loss": losses[-1]}, len(losses) - 1)
-        if trainer.step_no % save_every == 0 and dp.is_main:
+        if trainer.step_no % save_every == 0 and (dp.is_main or dp.sharded_state):  # sharded: every rank its part
             save_training_state(out / "state", policy=model, optimizer=trainer.opt, step=trainer.step_no,
                                 policy_version=0, data_cursor=trainer.step_no, keep=2,
-                                extra={"elapsed": elapsed + st.seconds, "loss": losses})
+                                extra={"elapsed": elapsed + st.seconds, "loss": losses}, backend=dp)
             log(f"SFT step {trainer.step_no}/{cfg.train.max_steps}: loss {st.loss:.4f}")
 
     train_lm(model, batches, cfg.train, on_step, trainer=trainer, elapsed=elapsed)
@@ -323,18 +323,20 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
 
 
 def _rank_checksums(dp, model, what: str) -> dict:
-    """With several trainer ranks: every rank's weights checksum, checked equal (else the stage fails)."""
-    if dp.world_size == 1:
-        return {}
+    """With several trainer ranks: every rank's weights checksum, checked equal (else the stage fails). Every rank
+    counts, data-parallel or not: a Megatron rank's `model` is the whole model gathered from the shards."""
     import torch.distributed as dist
 
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        return {}
     from model import weights_checksum
 
-    sums: list = [None] * dp.world_size
+    sums: list = [None] * world
     dist.all_gather_object(sums, weights_checksum(model))
     if len(set(sums)) != 1:
         raise RuntimeError(f"{what}: trainer ranks ended with different weights: {sums}")
-    return {"trainer_ranks": dp.world_size, "rank_checksums": sums}
+    return {"trainer_ranks": world, "rank_checksums": sums}
 
 
 def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteration: int, urls: list[str],
@@ -611,9 +613,11 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
         step = start + len(hist) - n0
         metrics({k: hist[-1][k] for k in SAO_CURVES if k in hist[-1]}, len(hist) - 1)
-        if main and (step % cfg.loop.save_every == 0 or step == cfg.loop.steps):
-            rec.flush(loop.consumption)  # the store first: a kill between the two leaves it ahead (repaired on resume)
-            loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
+        if step % cfg.loop.save_every == 0 or step == cfg.loop.steps:
+            if main:  # the store first: a kill between the two leaves it ahead (repaired on resume)
+                rec.flush(loop.consumption)
+            if main or dp.sharded_state:  # sharded (Megatron ranks): every rank saves its own part
+                loop.save_state(out / "state", step, extra={"history": hist}, keep=2)
         mm = (f" mismatch {st['mismatch_fresh_mean']:.1e} (max {st['mismatch_fresh_max']:.1e})"
               if "mismatch_fresh_mean" in st else "")
         log(f"{domain}: SAO step {step}/{cfg.loop.steps} reward {st['batch_reward']:.2f} v{st['version']}{mm}")
@@ -736,7 +740,8 @@ WARM_TEACHER = "warm start"  # the teacher key of the domains OPD anchors to the
 
 def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, log=_quiet, metrics=_no_metrics,
                 urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
-                iteration: int = 0, teacher_urls: list[str] | None = None, quarantine: list[str] | None = None) -> dict:
+                iteration: int = 0, teacher_urls: list[str] | None = None, quarantine: list[str] | None = None,
+                gate: dict | None = None, train_backend=None) -> dict:
     """Multi-teacher OPD from `init` with each domain's expert as its teacher; resumable like `sao_expert`.
     The student's episodes run on the rollout backend (servers at `urls`, else in-process), which gets the
     student after every step; every trajectory and its consuming step go to the store. With `teacher_urls`
@@ -744,21 +749,28 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     server), else in this process. With a validation set and `opd.gate_teachers`, an expert that does not beat
     the warm start on its domain's validation tasks (`teacher_gate`) neither teaches nor joins the merge. Under
     `opd.untaught=warm_start` the warm start itself teaches every domain of the RL set left without an expert (the
-    result's `anchored`), so the other experts' deltas in the merged student are distilled back out of it there."""
+    result's `anchored`), so the other experts' deltas in the merged student are distilled back out of it there.
+
+    On a sharded Megatron layout (`trainer.kind: megatron`, `trainer.world_size > 1`) the training runs under torchrun
+    after the gate (`gate`: its verdicts, handed to the ranks): rank 0 runs the episodes, scores them with the teachers
+    and writes the store, every rank trains its shard on the whole batch (each rank of a data-parallel layout repeats
+    it), and every rank saves its part of the training state."""
     import torch
 
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
     from rollout.agent import Agent, run_episodes
-    from trainers.backends import make_train_backend
+    from trainers.backends import from_main, make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.opd import OPDTrainer
     from trainers.teachers import TeacherPool
 
-    gate: dict = {}
-    if experts and cfg.opd.gate_teachers and envs.get("val"):
-        gate = teacher_gate(cfg, init, experts, envs, out / "gate.json", log)
+    if gate is None:
+        gate = {}
+        if experts and cfg.opd.gate_teachers and envs.get("val"):
+            gate = teacher_gate(cfg, init, experts, envs, out / "gate.json", log)
+    if gate:
         experts = {d: p for d, p in experts.items() if gate[d]["teaches"]}
     if not experts:  # every domain was skipped: nothing to distil, the student is the warm start
         why = ("no expert beat the warm start on its validation tasks" if gate else
@@ -766,9 +778,15 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         log(f"OPD: {why}; the student is the warm start")
         return {"checkpoint": init, "steps": 0, "teachers": {}, "resumed_from_step": 0, "reverse_kl": [],
                 "skipped": why, "gate": gate, "anchored": []}
+    if cfg.trainer.kind == "megatron" and cfg.trainer.world_size > 1 and train_backend is None:
+        return under_torchrun("opd_student", cfg, {
+            "init": init, "experts": experts, "envs": envs, "out": out, "urls": urls, "router_url": router_url,
+            "store_path": store_path, "iteration": iteration, "teacher_urls": teacher_urls, "quarantine": quarantine,
+            "gate": gate}, out, log, metrics)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     torch.manual_seed(cfg.seed)
-    dp = make_train_backend(cfg.trainer)
+    dp = train_backend or make_train_backend(cfg.trainer)
+    main = dp.is_main  # the one rank that runs episodes, holds the teachers and writes the store
     model = load_checkpoint(init)
     resuming = complete_checkpoints(out / "state")
     merged_from: list[str] = []  # task arithmetic: the warm start plus every expert's delta (a skipped domain's
@@ -790,7 +808,9 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         teachers[WARM_TEACHER] = init
         log(f"OPD: the warm start teaches {', '.join(anchored)} (no expert of its own: opd.untaught=warm_start)")
     specs = [s for s in specs if s.domain in experts or s.domain in route]
-    if teacher_urls:
+    if not main:
+        pool = None  # rank 0 scores every batch and shares the scores
+    elif teacher_urls:
         from rollout.backend import ServerTeacherPool
 
         pool = ServerTeacherPool(teachers, teacher_urls)
@@ -800,7 +820,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     trainer = OPDTrainer(student, pool, cfg.opd, backend=dp, route=route)
     start, hist = 0, []
     if resuming:
-        state = restore(load_training_state(out / "state"), student, trainer.opt)
+        state = restore(load_training_state(out / "state"), student, trainer.opt, backend=dp)
         was = state.extra.get("anchored", anchored)  # states saved before the anchor existed carry none
         if was != anchored:
             raise ValueError(f"OPD state in {out / 'state'} was saved with the warm start teaching "
@@ -811,9 +831,10 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         start, hist = state.step, list(state.extra.get("history", []))
         log(f"OPD: resumed from {state.path} (step {start})")
     version = 1 + start  # the student's policy version on the engines: one per OPD step
-    backend = _backend(cfg, dp.export(student), tok, out, urls, router_url, version=version, name="opd")
-    rec, consumption = Recorder(store_path), []
-    if start:
+    served = dp.export(student)  # a collective on a sharded layout: every rank
+    backend = _backend(cfg, served, tok, out, urls, router_url, version=version, name="opd") if main else None
+    rec, consumption = Recorder(store_path if main else None), []
+    if start and main:
         dropped = rec.repair("opd", start)
         if dropped:
             log(f"OPD: dropped {dropped} consumption rows of the steps being redone")
@@ -826,7 +847,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     try:
         for step in range(start, cfg.opd.steps if specs else 0):
             batch = [specs[(step * cfg.loop.batch_size + i) % len(specs)] for i in range(cfg.loop.batch_size)]
-            trajs = asyncio.run(episodes(batch))
+            trajs = from_main(dp, lambda b=batch: asyncio.run(episodes(b)))  # every rank trains on rank 0's episodes
             for t in trajs:
                 rec.add(t)
                 vs = t.policy_versions()
@@ -839,18 +860,28 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             hist.append({k: v for k, v in st.items() if isinstance(v, int | float)})
             metrics({k: hist[-1][k] for k in ("reverse_kl", "clip_frac", "reward_mean") if k in hist[-1]}, len(hist) - 1)
             version += 1
-            backend.push(dp.export(student), version)
+            pushed = dp.export(student)  # every rank (gathers the shards)
+            if main:
+                backend.push(pushed, version)
             if (step + 1) % cfg.loop.save_every == 0 or step + 1 == cfg.opd.steps:
                 rec.flush(consumption)  # the store first, as in sao_expert
-                save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1, policy_version=2,
-                                    data_cursor=step + 1, extra={"history": hist, "anchored": anchored}, keep=2)
+                if main or dp.sharded_state:
+                    save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1,
+                                        policy_version=2, data_cursor=step + 1,
+                                        extra={"history": hist, "anchored": anchored}, keep=2, backend=dp)
             log(f"OPD step {step + 1}/{cfg.opd.steps} reverse KL {st.get('reverse_kl', 0.0):.4f}")
         rec.flush(consumption)
     finally:
-        backend.close()
-        pool.close()
-    save_checkpoint(dp.export(student), out / "checkpoint", policy_version=2)
-    return {"checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "anchored": anchored,
+        if backend is not None:
+            backend.close()
+        if pool is not None:
+            pool.close()
+    final = dp.export(student)
+    ranks = _rank_checksums(dp, final, "OPD student")
+    if not main:
+        return {}
+    save_checkpoint(final, out / "checkpoint", policy_version=2)
+    return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "anchored": anchored,
             "resumed_from_step": start, "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,

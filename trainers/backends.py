@@ -64,6 +64,13 @@ class TrainBackend(ABC):
 
     activation_checkpointing = False  # set from `trainer.activation_checkpointing` by make_train_backend
     device = torch.device("cpu")  # where `wrap` puts the model (`trainer.device`)
+    # True where ranks hold different parts of the training state (Megatron's shards and their optimizer moments):
+    # every rank then saves and restores its own part (trainers/checkpoint.py); else the main rank saves it whole
+    sharded_state = False
+
+    def state_layout(self) -> dict:
+        """The layout a sharded training state was saved on, and must be restored on."""
+        return {"world": self.world_size}
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         """What every torch backend's `wrap` does to the model: moves it to the backend's device and sets its
@@ -255,6 +262,17 @@ def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     if cur:
         out.append(cur)
     return out
+
+
+def from_main(backend: TrainBackend, make: Callable[[], Any]) -> Any:
+    """The main rank's `make()` on every rank of the process group (one broadcast; `make` runs on the main rank only).
+    Every rank of the group counts, data-parallel or not: a Megatron layout's tensor-parallel ranks need the same
+    batch too. Without a group of several ranks just `make()`."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return make()
+    box = [make() if backend.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:

@@ -19,6 +19,14 @@ previous checkpoint or the new one as the newest complete one; `load_training_st
 and the pointer update loses nothing. One writer per root (in data parallelism: the main rank);
 leftover temp directories of crashed writers are removed by the next save.
 
+Sharded training state (`backend.sharded_state`: Megatron ranks, each holding its own tensor- / expert-parallel
+shard and that shard's optimizer moments): every rank calls `save_training_state` (a collective). The policy is
+gathered into temper's model and written whole by rank 0, as above, so engines and `temper eval` read it like
+any other; each rank writes its own `rank-RRRRR.pt` (its optimizer, critic and critic optimizer shards, its RNG
+states, the layout) into the same temp directory; rank 0 renames it only after every rank reported its file
+written, and `meta.json` names the rank count, so a checkpoint missing a rank file is not complete. `restore`
+with the backend loads each rank's own file and refuses another layout with the keys to change.
+
 The policy is stored in the live parameter dtype (float32 stays float32), so restoring is exact.
 `trainer.pt` is a pickle (`torch.load(weights_only=False)`): load only checkpoints you wrote.
 
@@ -69,6 +77,8 @@ class TrainingState:
     critic_optimizer: dict | None = None
     rng: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    ranks: int = 0  # > 0: a sharded state, one `rank-RRRRR.pt` per rank (their optimizers, critics and RNGs)
+    layout: dict | None = None  # the parallel layout that saved a sharded state
 
     @property
     def policy_path(self) -> Path:
@@ -78,6 +88,10 @@ class TrainingState:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
 
 
 def rng_state() -> dict:
@@ -109,6 +123,7 @@ def save_training_state(
     critic_optimizer: torch.optim.Optimizer | None = None,
     extra: dict | None = None,
     keep: int = 3,
+    backend=None,
 ) -> Path:
     """Write `dir/step-NNNNNNNN/` atomically, point `dir/latest` at it, keep the newest `keep` checkpoints.
 
@@ -116,38 +131,56 @@ def save_training_state(
     `extra` must be picklable. Saving a step that already exists replaces it; checkpoints of later steps
     are deleted (they belong to the run that was abandoned when training resumed from an earlier one),
     so `latest` and `load_training_state` always agree on the step just saved. Returns the step directory.
+
+    With a `backend` whose ranks hold shards (`backend.sharded_state`) every rank must call this (see the module
+    docstring); otherwise only the main rank does.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
+    common = {"format": FORMAT, "step": step, "policy_version": policy_version, "data_cursor": data_cursor,
+              "extra": extra or {}}
+    own = {"optimizer": optimizer.state_dict() if optimizer is not None else None,
+           "critic": critic.state_dict() if critic is not None else None,
+           "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
+           "rng": rng_state()}
+    meta = {"format": FORMAT, "step": step, "policy_version": policy_version, "critic": critic is not None}
+    if backend is not None and getattr(backend, "sharded_state", False):
+        return _save_sharded(Path(dir), backend, policy, common, own, meta, keep)
     root = Path(dir)
+    tmp = _new_temp(root, step)
+    try:
+        _write_common(tmp, policy, {**common, **own}, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _commit(root, tmp, step, keep)
+
+
+def _new_temp(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(root)
     name = step_dir_name(step)
+    return Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root))
+
+
+def _write_common(tmp: Path, policy: nn.Module, payload: dict, meta: dict) -> None:
+    """The policy (HF layout, live dtype), `trainer.pt` and, last, `meta.json`, each fsynced."""
+    live_dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
+    save_checkpoint(policy, tmp / POLICY, dtype=live_dtype, policy_version=payload["policy_version"])
+    torch.save(payload, tmp / TRAINER)
+    _fsync_file(tmp / TRAINER)
+    _write_synced(tmp / META, json.dumps({**meta, "saved_at": time.time()}, indent=2))
+    _fsync_dir(tmp / POLICY)
+    _fsync_dir(tmp)
+
+
+def _commit(root: Path, tmp: Path, step: int, keep: int) -> Path:
+    """Rename the finished temp directory into place, point `latest` at it, prune (see `save_training_state`)."""
+    name = step_dir_name(step)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=root))
     try:
-        live_dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
-        save_checkpoint(policy, tmp / POLICY, dtype=live_dtype, policy_version=policy_version)
-        payload = {
-            "format": FORMAT,
-            "step": step,
-            "policy_version": policy_version,
-            "data_cursor": data_cursor,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "critic": critic.state_dict() if critic is not None else None,
-            "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer is not None else None,
-            "rng": rng_state(),
-            "extra": extra or {},
-        }
-        torch.save(payload, tmp / TRAINER)
-        _fsync_file(tmp / TRAINER)
-        meta = {"format": FORMAT, "step": step, "policy_version": policy_version, "saved_at": time.time(),
-                "critic": critic is not None}
-        _write_synced(tmp / META, json.dumps(meta, indent=2))
-        _fsync_dir(tmp / POLICY)
-        _fsync_dir(tmp)
         replace_dir(tmp, final)
         _fsync_dir(root)
     except BaseException:
@@ -162,6 +195,38 @@ def save_training_state(
             shutil.rmtree(path, ignore_errors=True)
     for _, path in [(s, p) for s, p in done if s <= step][:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _save_sharded(root: Path, backend, policy: nn.Module, common: dict, own: dict, meta: dict, keep: int) -> Path:
+    """Every rank: the gathered policy and the common payload by rank 0, each rank's own part in its rank file, the
+    rename by rank 0 once every rank's file is on disk. A rank that fails to write fails the save on every rank."""
+    import torch.distributed as dist
+
+    full = backend.export(policy)  # a collective: temper's model, gathered from the shards
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list = [str(_new_temp(root, common["step"])) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    err = None
+    try:
+        torch.save({"format": FORMAT, "rank": rank, "world": world, "layout": backend.state_layout(), **own},
+                   tmp / rank_file(rank))
+        _fsync_file(tmp / rank_file(rank))
+        if rank == 0:
+            _write_common(tmp, full, {**common, "ranks": world, "layout": backend.state_layout()},
+                          {**meta, "ranks": world})
+    except Exception as e:  # reported to every rank below, so none waits for a file that will not come
+        err = f"rank {rank}: {type(e).__name__}: {e}"
+    errs: list = [None] * world
+    dist.all_gather_object(errs, err)
+    failed = [e for e in errs if e]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"saving the sharded training state under {root} failed: {'; '.join(failed)}")
+    final = _commit(root, tmp, common["step"], keep) if rank == 0 else root / step_dir_name(common["step"])
+    dist.barrier()  # no rank goes on (or saves again) before the step directory is in place
     return final
 
 
@@ -193,8 +258,15 @@ def _fsync_dir(path: Path) -> None:
 
 # ---- load --------------------------------------------------------------------------------------------
 def is_complete(path: Path) -> bool:
-    """A step directory that finished saving (meta.json is written last, before the rename)."""
-    return (path / META).is_file() and (path / TRAINER).is_file() and (path / POLICY / "config.json").is_file()
+    """A step directory that finished saving (meta.json is written last, before the rename; a sharded state also has
+    every rank's file)."""
+    if not ((path / META).is_file() and (path / TRAINER).is_file() and (path / POLICY / "config.json").is_file()):
+        return False
+    try:
+        ranks = int(json.loads((path / META).read_text()).get("ranks", 0))
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return all((path / rank_file(r)).is_file() for r in range(ranks))
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -240,8 +312,9 @@ def load_training_state(dir: str | os.PathLike) -> TrainingState:
         raise ValueError(f"{path / TRAINER}: unknown checkpoint format {payload.get('format')!r} (expected {FORMAT})")
     return TrainingState(
         path=path, step=payload["step"], policy_version=payload["policy_version"], data_cursor=payload["data_cursor"],
-        optimizer=payload["optimizer"], critic=payload["critic"], critic_optimizer=payload["critic_optimizer"],
-        rng=payload["rng"], extra=payload["extra"],
+        optimizer=payload.get("optimizer"), critic=payload.get("critic"),
+        critic_optimizer=payload.get("critic_optimizer"), rng=payload.get("rng", {}), extra=payload["extra"],
+        ranks=int(payload.get("ranks", 0)), layout=payload.get("layout"),
     )
 
 
@@ -253,13 +326,21 @@ def restore(
     critic_optimizer: torch.optim.Optimizer | None = None,
     *,
     rng: bool = True,
+    backend=None,
 ) -> TrainingState:
     """Load a checkpoint into live objects, in place (optimizers keep pointing at the same parameters).
 
     Restores the policy weights (persistent buffers such as router biases included), the optimizer,
     the critic and its optimizer when given, and — unless `rng=False` — the torch / CUDA / Python /
     NumPy RNG states. The data cursor and `extra` are the caller's to apply. Returns `state`.
+
+    A sharded state (saved by ranks holding shards) needs the `backend` of the same layout: each rank loads its
+    own file. Another layout, or a whole state on a sharded backend, is refused with the keys to change (the
+    policy itself is whole in every checkpoint: start a new run from it to change the layout).
     """
+    sharded = backend is not None and getattr(backend, "sharded_state", False)
+    if state.ranks or sharded:
+        state = _own_part(state, backend if sharded else None)
     saved = load_checkpoint(state.policy_path)
     if saved.config.model_copy(update={"dtype": policy.config.dtype}) != policy.config:  # dtype: see save
         raise ValueError(f"{state.policy_path}: the checkpoint's model config differs from the policy's")
@@ -278,3 +359,25 @@ def restore(
     if rng:
         set_rng_state(state.rng)
     return state
+
+
+def _own_part(state: TrainingState, backend) -> TrainingState:
+    """`state` with this rank's optimizer, critic and RNG read from its rank file (sharded states only)."""
+    import dataclasses
+
+    here = backend.state_layout() if backend is not None else None
+    if not state.ranks or backend is None or here != state.layout:
+        saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
+        now = f"a sharded layout {here}" if here is not None else "an unsharded backend"
+        raise ValueError(f"{state.path}: the training state was saved by {saved}; this run has {now}. Resume with "
+                         "the same trainer.world_size and trainer.megatron (tp, ep, etp), or start a new run from "
+                         f"its whole policy ({state.policy_path})")
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    own = torch.load(state.path / rank_file(rank), map_location="cpu", weights_only=False)
+    if own.get("rank") != rank or own.get("world") != state.ranks:
+        raise ValueError(f"{state.path / rank_file(rank)}: holds rank {own.get('rank')} of {own.get('world')}, "
+                         f"not rank {rank} of {state.ranks}")
+    return dataclasses.replace(state, optimizer=own["optimizer"], critic=own["critic"],
+                               critic_optimizer=own["critic_optimizer"], rng=own["rng"])

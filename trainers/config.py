@@ -197,10 +197,6 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"trainer.megatron.tp: {m.tp} does not divide trainer.world_size={w}")
         if w % (m.ep * etp):
             raise ValueError(f"trainer.megatron.ep: ep·etp = {m.ep * etp} does not divide trainer.world_size={w}")
-        if w > 1:
-            raise ValueError("trainer.world_size: the pipeline's Megatron stages run one rank for now (the training "
-                             "state is saved whole by rank 0; per-rank shards are not built); multi-rank Megatron "
-                             "layouts run in bench/megatron_gpu.py and the tests")
         return self
 
 

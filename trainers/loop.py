@@ -80,8 +80,9 @@ class RLLoop:
                              "trajectories it does not train on, with policy tokens): pass `replay`, or set it to 0")
         self.version, self.iteration = version, iteration
         self._own_backend = backend is None and self.dp.is_main
+        served = self.dp.export(actor) if backend is None or self.dp.sharded_state else None  # sharded: every rank
         if self.dp.is_main:
-            self.backend = backend or InProcessBackend(self.dp.export(actor), tok, n_slots=self.cfg.n_slots,
+            self.backend = backend or InProcessBackend(served, tok, n_slots=self.cfg.n_slots,
                                                        max_len=agent_cfg.max_context + 8, version=version)
         else:
             self.backend = None  # the trainer ranks other than 0 never talk to engines
@@ -147,7 +148,7 @@ class RLLoop:
         # a batch generated ahead is not saved: a resumed run draws its environments again, on the saved weights
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
                                    data_cursor=self._cursor - self._pending, critic=t.critic,
-                                   critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep)
+                                   critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep, backend=self.dp)
 
     def resume(self, state) -> None:
         """Continue from a `load_training_state` result: weights, optimisers, RNG, data cursor and policy version
@@ -155,7 +156,7 @@ class RLLoop:
         from .checkpoint import restore
 
         t = self.trainer
-        restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None))
+        restore(state, self.actor, t.opt, t.critic, getattr(t, "copt", None), backend=self.dp)
         t.steps = int(state.extra.get("trainer_updates", state.step))  # states saved before it was kept: the step
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
@@ -350,14 +351,10 @@ class RLLoop:
         return self._shared(self._generate)
 
     def _shared(self, make: Callable[[], list[Trajectory]]) -> list[Trajectory]:
-        """Rank 0's `make()`, on every rank (one rank: just `make()`)."""
-        if self.dp.world_size == 1:
-            return make()
-        import torch.distributed as dist
+        """Rank 0's `make()`, on every rank: each trains on its share of the same batch (one rank: just `make()`)."""
+        from .backends import from_main
 
-        box = [make() if self.dp.is_main else None]
-        dist.broadcast_object_list(box, src=0)  # every rank trains on its share of the same batch
-        return box[0]
+        return from_main(self.dp, make)
 
     def _generate(self) -> list[Trajectory]:
         if self.cfg.mode == "async":

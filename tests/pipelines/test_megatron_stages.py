@@ -73,5 +73,63 @@ def test_sft_sao_and_opd_stages_run_on_megatron(tmp_path):
 def test_megatron_layout_errors_name_the_key():
     with pytest.raises(ValueError, match="trainer.megatron.tp: 2 does not divide trainer.world_size=1"):
         _cfg("megatron", "trainer.megatron.tp=2")
-    with pytest.raises(ValueError, match="trainer.world_size"):
-        _cfg("megatron", "trainer.world_size=2")
+    with pytest.raises(ValueError, match=r"trainer.megatron.ep: ep·etp = 4 does not divide trainer.world_size=2"):
+        _cfg("megatron", "trainer.world_size=2", "trainer.megatron.ep=4")
+    assert _cfg("megatron", "trainer.world_size=2", "trainer.megatron.tp=2").trainer.megatron.tp == 2  # sharded: allowed
+
+
+def test_sharded_megatron_stages_run_under_torchrun_and_resume(tmp_path):
+    """`trainer.world_size=2` with `trainer.megatron.tp=2`: SFT, the SAO expert and OPD each run as two torchrun
+    ranks holding halves of the model. SFT's two steps and the SAO expert's first step (on the stored rollouts, a batch
+    fixed before the stage) land where the torch backend's one process lands; every rank saves its part of the
+    training state; OPD stopped after one step resumes from that sharded state for its second."""
+    from test_stage_ranks import _update_gap
+
+    from store import TrajectoryStore
+    from trainers.checkpoint import complete_checkpoints
+
+    over = ["loop.steps=1", "sao.value_pretrain_steps=1", "loop.warm_rollouts=train", "sao.lr=1e-3",
+            "sao.warmup_steps=0", "opd.untaught=none", "opd.gate_teachers=false"]
+    sharded = ["trainer.world_size=2", "trainer.megatron.tp=2"]
+    envs, store, ro = stored_rollouts(_cfg("torch"), tmp_path, iteration=2)
+    scored = stages.rewards(store, 2, ro["trajectory_ids"])
+    dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])
+    with TrajectoryStore(store) as st:  # alternating rewards: the random policy's step gets a signal
+        trajs = st.read(2, ids=scored["domains"][dom]["ids"])
+        for i, t in enumerate(trajs):
+            t.trajectory_id, t.reward = f"{t.trajectory_id}-r", float(i % 2)
+        st.write(trajs)
+    warm = [t.trajectory_id for t in trajs]
+
+    sft = {kind: stages.warm_start(_cfg(kind, "train.max_steps=2", *(sharded if kind == "megatron" else [])),
+                                   envs, tmp_path / kind / "sft", None) for kind in ("torch", "megatron")}
+    assert sft["megatron"]["trainer_ranks"] == 2 and len(set(sft["megatron"]["rank_checksums"])) == 1
+    torch.manual_seed(_cfg("torch").seed)
+    init = {k: v.detach().clone() for k, v in to_hf_state(Transformer(_cfg("torch").model))}
+    assert _same_step(_weights(sft["megatron"]["checkpoint"]), _weights(sft["torch"]["checkpoint"]), init) \
+        > len(init) // 2
+
+    sao = {kind: stages.sao_expert(_cfg(kind, *over, *(sharded if kind == "megatron" else [])),
+                                   str(tmp_path / "policy"), envs, dom, tmp_path / kind / "expert", store_path=store,
+                                   iteration=2, warm_rollouts=warm) for kind in ("torch", "megatron")}
+    assert sao["megatron"]["trainer_ranks"] == 2 and sao["megatron"]["updates"] == 1
+    before = _weights(tmp_path / "policy")
+    moved, gap = _update_gap(_weights(sao["megatron"]["checkpoint"]), _weights(sao["torch"]["checkpoint"]), before)
+    assert moved > 1e-4 and gap < 1e-2, (moved, gap)
+    [(_, state)] = complete_checkpoints(tmp_path / "megatron" / "expert" / "state")  # every rank saved its part
+    assert sorted(p.name for p in state.glob("rank-*.pt")) == ["rank-00000.pt", "rank-00001.pt"]
+
+    cfg = _cfg("megatron", *over, *sharded, "opd.steps=1")
+    first = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sft["torch"]["checkpoint"]}, envs,
+                               tmp_path / "opd", store_path=store, iteration=2)
+    assert first["steps"] == 1 and first["trainer_ranks"] == 2 and first["reverse_kl"][0] > 0
+    after_one = _weights(first["checkpoint"])
+    cfg = _cfg("megatron", *over, *sharded, "opd.steps=2")
+    second = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sft["torch"]["checkpoint"]}, envs,
+                                tmp_path / "opd", store_path=store, iteration=2)
+    assert second["resumed_from_step"] == 1 and second["steps"] == 2 and second["reverse_kl"][0] == first["reverse_kl"][0]
+    after_two = _weights(second["checkpoint"])  # the resumed run took a second step from the first one's weights
+    assert sum(not torch.equal(after_two[k], after_one[k]) for k in after_one) > len(after_one) // 3
+    with TrajectoryStore(store, read_only=True) as st:  # rank 0 alone wrote the store: each OPD step's rows once
+        rows = st.consumption("opd")
+    assert sorted({r["step"] for r in rows}) == [1, 2] and len(rows) == 2 * cfg.loop.batch_size

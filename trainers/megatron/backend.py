@@ -57,6 +57,7 @@ class MegatronBackend(TrainBackend):
                  dtype: torch.dtype = torch.float32, dist_backend: str | None = None, timeout_s: float = 600.0):
         self.layout = parallel.initialize(tp, pp, ep, etp, backend=dist_backend, timeout_s=timeout_s)
         self.rank, self.world_size = self.layout.dp_rank, self.layout.dp
+        self.sharded_state = self.layout.world_size > 1  # each rank saves its shard's optimizer (and critic) state
         self.dtype = dtype
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
@@ -67,6 +68,11 @@ class MegatronBackend(TrainBackend):
 
     def close(self) -> None:
         parallel.destroy()
+
+    def state_layout(self) -> dict:
+        lay = self.layout
+        return {"world": lay.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp,
+                "dtype": str(self.dtype).removeprefix("torch.")}
 
     def dp_group(self):
         from megatron.core import parallel_state as ps
@@ -110,7 +116,8 @@ class MegatronBackend(TrainBackend):
     def export(self, model) -> Transformer:
         """temper's Transformer with the MegatronGLM's current weights (what the engines and checkpoints get)."""
         cfg = model.config
-        t = Transformer(cfg)
+        with torch.random.fork_rng(devices=[]):  # every weight is loaded below: the caller's RNG streams stay as they are
+            t = Transformer(cfg)
         t.load_state_dict(from_hf_state(cfg, self.gather_hf(model)), strict=False)
         t.materialize_buffers()
         return t

@@ -1,0 +1,94 @@
+"""One rank of the sharded-checkpoint test (tests/trainers/test_megatron_checkpoint.py), under torchrun:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/megatron_ckpt.py OUT TP EP
+
+Every rank wraps the same `micro` model on the (tp, ep) layout with a critic, takes step A (policy and critic, AdamW
+both), saves the sharded training state, takes step B: the continued run. Then a second model from other weights,
+with fresh optimizers, restores the state and takes step B: the resumed run. Each rank writes its shard's weights,
+both critics and the RNG draws of both runs to OUT/rank{R}.pt, and whether restoring on an unsharded backend was
+refused with the keys named.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import configs  # noqa: E402
+from model import Transformer  # noqa: E402
+from model.checkpoint import to_hf_state  # noqa: E402
+from trainers.checkpoint import load_training_state, restore, save_training_state  # noqa: E402
+from trainers.megatron.backend import MegatronBackend  # noqa: E402
+from trainers.megatron.convert import megatron_state  # noqa: E402
+from trainers.megatron.parity import step_loss  # noqa: E402
+from trainers.sao import Critic  # noqa: E402
+
+
+def main(out: Path, tp: int, ep: int) -> None:
+    torch.set_num_threads(1)
+    cfg = configs.load("micro").model
+    be = MegatronBackend(tp, 1, ep, 1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        batch_a, batch_b = (torch.randint(0, 256, (4, 33), generator=g) for _ in range(2))
+
+        def build(seed: int):
+            torch.manual_seed(seed)  # the same full model on every rank, then this rank's shard of it
+            m = be.wrap(Transformer(cfg))
+            critic = Critic(m)
+            return (m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0), critic,
+                    torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=1e-2))
+
+        def step(m, opt, critic, copt, ids) -> None:
+            rows = ids[be.rank :: be.world_size]  # data parallelism: each dp rank its rows
+            loss, _, _ = step_loss(m, rows, ids.shape[0] * (ids.shape[1] - 1))
+            loss.backward()
+            be.all_reduce_grads(m)
+            be.clip_grad_norm(m, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            v = critic(rows)
+            (v - 1.0).pow(2).mean().backward()
+            be.all_reduce_grads(critic)
+            copt.step()
+            copt.zero_grad(set_to_none=True)
+
+        def shard(m, critic) -> dict:
+            return {"policy": {k: v.detach().clone() for k, v in megatron_state(m).items()},
+                    "critic": {k: v.detach().clone() for k, v in critic.state_dict().items() if torch.is_tensor(v)}}
+
+        m, opt, critic, copt = build(0)
+        step(m, opt, critic, copt, batch_a)
+        after_a = {k: v.clone() for k, v in to_hf_state(be.export(m))}
+        save_training_state(out / "state", policy=m, optimizer=opt, critic=critic, critic_optimizer=copt, step=1,
+                            policy_version=2, data_cursor=1, backend=be)
+        draw_continued = torch.rand(4)
+        step(m, opt, critic, copt, batch_b)
+        continued = shard(m, critic)
+
+        m2, opt2, critic2, copt2 = build(1)  # other weights, fresh optimizers: everything must come from the state
+        state = load_training_state(out / "state")
+        refused = ""
+        try:
+            restore(state, m2, opt2, critic2, copt2)  # no backend: an unsharded restore of a sharded state
+        except ValueError as e:
+            refused = str(e)
+        restore(state, m2, opt2, critic2, copt2, backend=be)
+        draw_resumed = torch.rand(4)
+        step(m2, opt2, critic2, copt2, batch_b)
+        resumed = shard(m2, critic2)
+        torch.save({"continued": continued, "resumed": resumed, "draws": (draw_continued, draw_resumed),
+                    "refused": refused, "after_a": after_a if be.is_main else None, "layout": be.state_layout(),
+                    "moved": any(not torch.equal(continued["policy"][k], v) for k, v in shard(*build(0)[::2])["policy"]
+                                 .items())},
+                   out / f"rank{torch.distributed.get_rank()}.pt")
+    finally:
+        be.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,61 @@
+"""A sharded training state (Megatron ranks, each with its own shard and optimizer moments): saved by every rank and
+restored on the same layout, a resumed step equals the continued one bit for bit, the policy in the checkpoint is the
+whole model, a missing rank file leaves the checkpoint incomplete, and another layout is refused with the keys named.
+Two gloo ranks under torchrun (tests/trainers/megatron_ckpt.py), TP = 2 (sequence parallel) and EP = 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import load_checkpoint
+from model.checkpoint import to_hf_state
+from trainers.backends import free_port
+from trainers.checkpoint import complete_checkpoints, load_training_state, rank_file, restore
+
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(HERE / "megatron_ckpt.py"), str(tmp_path), str(tp), str(ep)]
+    r = subprocess.run(cmd, timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
+    for i, got in enumerate(ranks):
+        assert got["moved"], i  # the steps changed the shard, so equal shards are not untouched ones
+        for part in ("policy", "critic"):
+            want, have = got["continued"][part], got["resumed"][part]
+            assert want.keys() == have.keys()
+            for k in want:
+                assert torch.equal(want[k], have[k]), (i, part, k)
+        assert torch.equal(*got["draws"]), i  # each rank's RNG streams continue where they were saved
+        assert "trainer.megatron" in got["refused"] and "trainer.world_size" in got["refused"], got["refused"]
+    if tp == 2:  # the ranks hold different halves of the attention, so their files must differ
+        a, b = (r["continued"]["policy"] for r in ranks)
+        assert any(not torch.equal(a[k], b[k]) for k in a if k in b and a[k].shape == b[k].shape)
+
+    [(step, path)] = complete_checkpoints(tmp_path / "state")
+    meta = json.loads((path / "meta.json").read_text())
+    assert step == 1 and meta["ranks"] == 2
+    state = load_training_state(tmp_path / "state")
+    assert state.ranks == 2 and state.layout == ranks[0]["layout"] and state.layout["tp"] == tp
+    assert state.optimizer is None  # the optimizers live in the rank files only
+    # the policy is the whole model (what engines and evaluation load), as gathered after step A
+    saved = dict(to_hf_state(load_checkpoint(state.policy_path)))
+    after_a = ranks[0]["after_a"]
+    assert saved.keys() == after_a.keys() and all(torch.equal(saved[k], after_a[k]) for k in saved)
+    # an unsharded run cannot take the optimizers of a sharded state
+    with pytest.raises(ValueError, match=r"saved by 2 ranks .*trainer\.world_size and trainer\.megatron"):
+        restore(state, load_checkpoint(state.policy_path), None)
+    # a checkpoint missing one rank's file is not complete: nothing to resume from
+    (path / rank_file(1)).unlink()
+    assert complete_checkpoints(tmp_path / "state") == []
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        load_training_state(tmp_path / "state")
