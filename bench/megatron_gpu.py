@@ -182,7 +182,10 @@ def section_tp2(dev, smoke: bool) -> None:
     """Runs itself again with no GPU visible (gloo ranks on the CPU)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, __file__, "--tp2-child"] + (["--smoke"] if smoke else [])
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    # the child's progress lines (stderr) pass straight through, so a run cut by its time cap still shows how far
+    # it got (the H200 host's first two runs of this section ended silently at their caps)
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE if smoke else None, text=True,
+                       timeout=420)
     if r.returncode:
         raise RuntimeError(f"tp2 child failed ({r.returncode}): {r.stderr[-2000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -197,13 +200,21 @@ def section_tp2(dev, smoke: bool) -> None:
 def tp2_child(smoke: bool) -> None:
     from trainers.megatron.parity import run_layout
 
+    t0 = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"tp2: {what} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    say(f"started ({os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads)")
     cfg = small_config(smoke)
     ids = torch.randint(0, 256, (4, 91), generator=torch.Generator().manual_seed(1))
     hf, loss, lg, mlg, grads = reference(cfg, ids, torch.device("cpu"))
+    say("reference done")
     out = {}
     for tp, ep in ((2, 1),) if smoke else ((2, 1), (2, 2)):
         r = run_layout(cfg, hf, ids, tp=tp, ep=ep, etp=1, device="cpu", indexer=True)
         out[f"tp{tp} ep{ep}"] = compare(r, loss, lg, mlg, grads)
+        say(f"tp {tp} ep {ep} done")
     print(json.dumps(out))
 
 

@@ -165,7 +165,9 @@ class TrainerConfig(BaseModel):
     `torchrun` with that many ranks (data parallel through `DDPBackend`: gloo on CPU, nccl on GPU); rank 0 drives
     the rollout backend and hands every batch to the others, and all ranks end each step with the same weights.
     `kind: megatron`: the same trainers on a Megatron-core model (`MegatronBackend`, layout in `megatron`); the
-    engines still get temper's model, gathered from the shards at every weight push."""
+    engines still get temper's model, gathered from the shards at every weight push. With `world_size > 1` the SFT,
+    SAO and OPD stages run as that many torchrun ranks holding shards, and every rank saves its part of the training
+    state (trainers/checkpoint.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
