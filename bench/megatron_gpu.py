@@ -88,13 +88,21 @@ def reference(cfg, ids: torch.Tensor, dev, dtype: torch.dtype = torch.float32, h
     return hf, loss.item(), lg.float().cpu(), mlg.float().cpu(), {k: v.float().cpu() for k, v in hf_grads(ref).items()}
 
 
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖₂ / ‖b‖₂: the relative error of the tensor as a whole (what a few flipped positions move least)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def compare(r: dict, loss: float, lg, mlg, grads) -> dict:
-    g = max(rel(r["grads"][k], v) for k, v in grads.items() if not k.endswith("e_score_correction_bias"))
+    keys = [k for k in grads if not k.endswith("e_score_correction_bias")]
     d = (r["logits"].double() - lg.double()).abs()
     return {"loss_rel": abs(r["loss"] - loss) / abs(loss), "logits_rel": rel(r["logits"], lg),
             "logits_mean_rel": float(d.mean() / lg.double().abs().mean()),
+            "logits_norm_rel": norm_rel(r["logits"], lg),
             "positions_off_by_5e-2": float((d.amax(-1) > 0.05).double().mean()),
-            "mtp_logits_rel": rel(r["mtp_logits"], mlg), "grad_rel_max": g}
+            "mtp_logits_rel": rel(r["mtp_logits"], mlg), "grad_rel_max": max(rel(r["grads"][k], grads[k]) for k in keys),
+            "grad_norm_rel_max": max(norm_rel(r["grads"][k], grads[k]) for k in keys if grads[k].norm() > 0)}
 
 
 # ---- 1. parity ---------------------------------------------------------------------------------------------------
@@ -116,11 +124,13 @@ def section_parity(dev, smoke: bool) -> None:
             c = compare(r, *ref)
             like = dtype == "float32" or name == "temper bf16"
             record("parity", f"{dtype} vs {name}", {**c, "aim": aim if like else None})
-            rows.append([dtype, name, c["loss_rel"], c["logits_rel"], c["logits_mean_rel"],
-                         c["positions_off_by_5e-2"], c["mtp_logits_rel"], c["grad_rel_max"], aim if like else "—"])
-    table("Megatron vs temper, same weights (rel: max |Δ| / max |ref|; mean rel: mean |Δ| / mean |ref|)",
-          ["Megatron dtype", "against", "loss rel", "logits rel", "logits mean rel", "positions off > 0.05",
-           "MTP logits rel", "max grad rel", "aim"], rows)
+            rows.append([dtype, name, c["loss_rel"], c["logits_rel"], c["logits_mean_rel"], c["logits_norm_rel"],
+                         c["positions_off_by_5e-2"], c["mtp_logits_rel"], c["grad_rel_max"], c["grad_norm_rel_max"],
+                         aim if like else "—"])
+    table("Megatron vs temper, same weights (rel: max |Δ| / max |ref|; mean rel: mean |Δ| / mean |ref|; norm rel: "
+          "‖Δ‖ / ‖ref‖, per gradient tensor, the worst)",
+          ["Megatron dtype", "against", "loss rel", "logits rel", "logits mean rel", "logits norm rel",
+           "positions off > 0.05", "MTP logits rel", "max grad rel", "grad norm rel", "aim"], rows)
 
 
 # ---- 2. one SAO step -------------------------------------------------------------------------------------------
