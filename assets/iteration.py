@@ -199,22 +199,46 @@ def hack_probes(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
                                metadata={"accepted_probe_hits": out["accepted_probe_hits"]})
 
 
-def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str) -> tuple[str | None, str]:
-    """What iteration N−1 hands to this iteration, read from the `policy` asset (evaluation records each
-    iteration's student, its warm start and whether it became the champion there, so the graph shows the N−1 → N
-    edge: evaluation ⇢ policy → warm_start), chosen by the `hand_off` rule (`stages.hand_off`)."""
+def _record_root(meta) -> Path | None:
+    """The run root a `policy` record belongs to: its `run_root` metadata, or (records written before it was kept)
+    the directory above the student's `iteration-NNNN` directory."""
+    if "run_root" in meta:
+        return Path(meta["run_root"].value)
+    parts = Path(meta["checkpoint"].value).parts
+    hits = [i for i, x in enumerate(parts) if x.startswith("iteration-")]
+    return Path(*parts[: hits[-1]]) if hits else None
+
+
+def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str, run_root: Path
+                ) -> tuple[str | None, str]:
+    """What iteration N−1 of this run root hands to this iteration, read from the `policy` asset (evaluation records
+    each iteration's student, its warm start and whether it became the champion there, so the graph shows the
+    N−1 → N edge: evaluation ⇢ policy → warm_start), chosen by the `hand_off` rule (`stages.hand_off`). A run root
+    keeps its own lineage: the instance's iterations are shared by every run root, and another root's iteration
+    N−1 (another preset, say) is never this one's parent."""
     import stages
 
     prev = str(int(iteration) - 1)
     if int(prev) < 1:
         return None, "none"
     res = context.instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=POLICY_KEY), limit=1000)
+    elsewhere = set()
     for rec in res.records:  # newest first: a repaired iteration's latest student wins
         meta = rec.asset_materialization.metadata
-        if meta.get("iteration") is not None and str(meta["iteration"].value) == prev:
-            student = meta["checkpoint"].value
-            ws = meta["warm_start"].value if "warm_start" in meta else student  # records from before the rule
-            return stages.hand_off(rule, student, ws, bool(meta["champion"].value))
+        if meta.get("iteration") is None or str(meta["iteration"].value) != prev:
+            continue
+        root = _record_root(meta)
+        if root is not None and root.resolve() != run_root.resolve():
+            elsewhere.add(str(root))
+            continue
+        student = meta["checkpoint"].value
+        ws = meta["warm_start"].value if "warm_start" in meta else student  # records from before the rule
+        return stages.hand_off(rule, student, ws, bool(meta["champion"].value))
+    if elsewhere:
+        raise dg.Failure(f"iteration {iteration} in run root {run_root} starts from what iteration {prev} of that run "
+                         f"root hands off, but iteration {prev} ran in {', '.join(sorted(elsewhere))} only: each run "
+                         "root keeps its own lineage; start this one at iteration 1 (`temper run --run-root "
+                         f"{run_root} --iteration 1`), or keep to the run root iteration {prev} used")
     raise dg.Failure(f"iteration {iteration} starts from what iteration {prev} hands off, which is not materialised "
                      f"(no `policy` record for iteration {prev}: run iteration {prev} to its evaluation first)")
 
@@ -230,7 +254,7 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    parent, why = _handed_off(context, it, temper.config().hand_off)
+    parent, why = _handed_off(context, it, temper.config().hand_off, temper.root())
     if parent:
         context.log.info(f"warm start: iteration {int(it) - 1} hands off {why}: {parent}")
     out, reported = _stage(context, pipes, temper, sandbox, trainer, "warm_start",
@@ -413,6 +437,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     # iteration's warm start by its `hand_off` rule
     context.log_event(dg.AssetMaterialization(POLICY_KEY, description=f"iteration {it}'s student", metadata={
         "iteration": int(it), "checkpoint": dg.MetadataValue.path(str(Path(out["student"]).resolve())),
+        "run_root": dg.MetadataValue.path(str(temper.root())),  # the lineage it belongs to (see `_handed_off`)
         "warm_start": dg.MetadataValue.path(str(Path(ws).resolve())),
         "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
         "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
@@ -434,7 +459,7 @@ POLICY = dg.AssetSpec(POLICY_KEY, group_name="iteration", owners=OWNERS, kinds={
                       code_version=_code_version(evaluation.op.compute_fn.decorated_fn, "evaluation"),
                       description="The policy one iteration hands to the next: iteration N's evaluation records its "
                                   "student here (materialisation metadata: iteration, checkpoint, warm_start, "
-                                  "champion), and iteration N+1's warm start picks the student or N's warm start by "
+                                  "champion, run_root), and iteration N+1's warm start picks the student or N's warm start by "
                                   "`hand_off`")
 
 ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation,

@@ -1,6 +1,6 @@
 """`temper run`: one post-training iteration as a Dagster run, then a summary table.
 
-    temper run --preset tiny                 # the next iteration (1 on a fresh checkout: SFT warm start)
+    temper run --preset tiny                 # the next iteration of the run root (1 on a fresh one)
     temper run --preset tiny --iteration 3   # a given iteration (its parent must exist)
 
 The run goes into the same Dagster instance (`runs/dagster_home`), run root (`runs/pipeline`) and MLflow
@@ -115,24 +115,21 @@ def cmd_run(args) -> int:
         return 2
     root = Path.cwd()
     instance = _instance(root)
-    import dagster as dg
 
     from assets import ITERATIONS
     from pipelines.definitions import defs
 
     keys = [int(k) for k in instance.get_dynamic_partitions(ITERATIONS.name)]
-    done = {int(k) for k in instance.get_materialized_partitions(dg.AssetKey("evaluation"))}
-    latest = max(keys, default=0)
+    run_root = Path(args.run_root)
     if args.iteration:
         it = str(args.iteration)
-    elif latest and latest not in done:  # the last iteration failed: repair it instead of burning a new number
-        it = str(latest)
-        con.print(f"iteration {latest} did not finish: running it again (finished steps are kept)")
     else:
-        it = str(latest + 1)
+        n, repair = next_iteration(run_root)
+        it = str(n)
+        if repair:  # the last iteration failed: repair it instead of burning a new number
+            con.print(f"iteration {n} did not finish: running it again (finished steps are kept)")
     if it not in map(str, keys):
         instance.add_dynamic_partitions(ITERATIONS.name, [it])
-    run_root = Path(args.run_root)
     cfg = {"preset": args.preset, "overrides": args.override, "run_root": str(run_root),
            "mlflow_ui": "http://127.0.0.1:5000"}
     con.print(f"[bold]temper[/] iteration {it} on [bold]{args.preset}[/] → {run_root / f'iteration-{int(it):04d}'}")
@@ -166,6 +163,20 @@ def cmd_run(args) -> int:
               f"MLflow http://127.0.0.1:5000 (curves, the `temper-student` model and its champion alias).\n"
               f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · {again}")
     return 0 if res.success else 1
+
+
+def next_iteration(run_root: Path) -> tuple[int, bool]:
+    """The iteration `temper run` runs next in `run_root`, and whether it repairs an unfinished one: each run root
+    numbers its own iterations (the Dagster instance's partitions are shared by every run root, and a fresh run root
+    starts at 1 whatever other roots ran). An iteration is finished when its `evaluation.json` is written."""
+    ran = sorted(int(p.name.removeprefix("iteration-")) for p in Path(run_root).glob("iteration-*")
+                 if p.is_dir() and p.name.removeprefix("iteration-").isdigit())
+    if not ran:
+        return 1, False
+    last = ran[-1]
+    if not (Path(run_root) / f"iteration-{last:04d}" / "evaluation.json").exists():
+        return last, True
+    return last + 1, False
 
 
 def _mark_failed(run_root: Path, iteration: str) -> None:

@@ -268,6 +268,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     from trainers.sft import oracle_trajectories, sft_batches
 
     if parent_checkpoint:
+        _same_model(cfg, parent_checkpoint, "iteration N−1's hand-off")
         log(f"warm start: iteration N−1's hand-off {parent_checkpoint}")
         return {"checkpoint": parent_checkpoint, "parent": parent_checkpoint, "source": "previous iteration",
                 "sft_steps": 0, "resumed_from_step": 0}
@@ -320,6 +321,21 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     save_checkpoint(final, out / "checkpoint", policy_version=WARM_VERSION)
     return {**ranks, "checkpoint": str(out / "checkpoint"), "parent": None, "source": "sft",
             "sft_steps": len(losses), "resumed_from_step": start, "curves": {"sft_loss": losses}}
+
+
+def _same_model(cfg, checkpoint: str, what: str) -> None:
+    """Refuse a warm start whose model is not the preset's (another preset's iteration in the same run root, say):
+    the engines, trainers and experts would all be built from the preset's `model`."""
+    from model import load_config
+
+    have = load_config(checkpoint).model_dump()
+    want = cfg.model.model_dump()
+    diff = sorted(k for k in want if k != "dtype" and have.get(k) != want[k])
+    if diff:
+        shown = ", ".join(f"{k}: {have.get(k)!r} there, {want[k]!r} here" for k in diff[:4])
+        raise ValueError(f"warm start: {what} {checkpoint} is another model than this preset's ({shown}"
+                         f"{', …' if len(diff) > 4 else ''}): run this preset in its own run root (--run-root), or "
+                         "use the preset that iteration used")
 
 
 def _rank_checksums(dp, model, what: str) -> dict:
