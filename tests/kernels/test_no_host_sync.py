@@ -25,7 +25,7 @@ from model import KVCache, Transformer
 from model.losses import indexer_kl_loss
 from rollout.engine import DecodeGraphs, EngineStats
 
-triton_runtime = pytest.importorskip("triton.runtime")
+pytest.importorskip("triton.runtime")
 
 
 class HostTensors(TorchDispatchMode):
@@ -44,31 +44,13 @@ class HostTensors(TorchDispatchMode):
 
 
 @pytest.fixture
-def triton_on_meta(monkeypatch):
-    """Every op takes its Triton branch; kernels launch nothing. Yields the names of the kernels launched."""
-    import temper_kernels as tk
+def triton_on_meta():
+    """Every op takes its Triton branch; kernels launch nothing (`temper_kernels.meta.on_meta`). Yields the names of
+    the kernels launched."""
+    from temper_kernels.meta import on_meta
 
-    launched: list[str] = []
-
-    class FakeLaunch:
-        def __init__(self, name: str):
-            self.name = name
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                dims = grid if isinstance(grid, tuple) else ()
-                assert all(type(g) is int for g in dims), f"{self.name}: grid {grid} is not host ints"
-                devices = {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
-                assert devices <= {"meta"}, f"{self.name}: arguments on {devices}"
-                launched.append(self.name.rsplit(".", 1)[-1])
-            return launch
-
-    for mod in (tk, tk.indexer, tk.mla, tk.moe, tk.norm):
-        monkeypatch.setattr(mod, "backend", lambda *tensors: "triton")
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, triton_runtime.KernelInterface):
-                monkeypatch.setattr(mod, name, FakeLaunch(f"{mod.__name__}.{name}"))
-    return launched
+    with on_meta() as launched:
+        yield launched
 
 
 def _meta(*shape, dtype=torch.long):
