@@ -139,8 +139,9 @@ def test_control_endpoints_answer_while_every_slot_streams(server):
             r = c.post("/abort_request", json={"abort_all": True})
             assert r.status_code == 200 and r.json()["aborted"] >= 4
         finishes = [f.result() for f in futs]
-    # every stream ended by the abort (a stream may also have finished by length before it)
-    assert all(f in ("abort", "length") for f in finishes) and finishes.count("abort") >= 4
+    # every stream ended by the abort, unless it finished before it: by length, or (the OpenAI streams, which have no
+    # `ignore_eos`) by the random model sampling its EOS token, which CI once saw
+    assert all(f in ("abort", "length", "stop") for f in finishes) and finishes.count("abort") >= 4
 
 
 def test_a_client_that_goes_away_takes_its_work_with_it(server):

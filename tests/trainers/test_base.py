@@ -96,7 +96,10 @@ def test_warm_start_uses_the_base_and_rejects_tampered_weights(tmp_path):
     w.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="differ from its card"):
         stages.warm_start(configs.load("tiny", [f"base.checkpoint={bad}"]), {"train": None}, tmp_path / "ws2", None)
-    assert stages.warm_start(cfg, {}, tmp_path / "ws3", "some/student")["source"] == "previous iteration"
+    handed = stages.warm_start(cfg, {}, tmp_path / "ws3", str(bad))  # N−1's hand-off: taken as it is (no card check)
+    assert handed["source"] == "previous iteration" and handed["checkpoint"] == str(bad)
+    with pytest.raises(FileNotFoundError, match="no config.json"):  # not a checkpoint at all: said, not deferred
+        stages.warm_start(cfg, {}, tmp_path / "ws4", str(tmp_path / "some" / "student"))
 
 
 def test_warmup_stable_decay_schedule_by_hand():
