@@ -61,7 +61,10 @@ def on_meta() -> Iterator[list[str]]:
             for name, obj in list(vars(mod).items()):
                 if isinstance(obj, triton.runtime.KernelInterface):
                     patch(mod, name, FakeLaunch(name, launched))
-        patch(moe, "_torch_grouped_ok", lambda xs, w: False)  # the Triton grouped GEMM, whose schedule is Python
+        # as on a Hopper GPU: `torch._grouped_mm` in bf16 (it has a meta kernel), else the Triton grouped GEMM and its
+        # device-built schedule
+        patch(moe, "_torch_grouped_ok", lambda xs, w: hasattr(torch, "_grouped_mm") and xs.dtype == w.dtype ==
+              torch.bfloat16)
         yield launched
     finally:
         for mod, name, value in reversed(saved):
