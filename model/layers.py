@@ -120,14 +120,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
     interleave=True pairs (x0,x1),(x2,x3)…; False pairs (x_i, x_{i+d/2}). Either way the output is laid
     out half-split ([rotated evens | rotated odds] for interleaved input), applied identically to queries
-    and keys, so dot products equal those of the textbook layout.
+    and keys, so dot products equal those of the textbook layout. One fused kernel on CUDA (`temper_kernels.rope`),
+    the torch twin elsewhere.
     """
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return kernels.rope(x, cos, sin, interleave)
 
 
 # ---- FFNs --------------------------------------------------------------------------------------------

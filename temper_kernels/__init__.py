@@ -19,7 +19,7 @@ reference elsewhere. The environment variable `TEMPER_KERNELS` overrides the cho
 
 Ops: `indexer_topk` (lightning-indexer scores fused with a deterministic top-k, fp32 or FP8 e4m3),
 `sparse_mla` (attention over the selected latent rows, forward and backward), `moe_experts` (device-side
-routing and grouped GEMM), `rms_norm`, `chunked_cross_entropy`.
+routing and grouped GEMM), `rms_norm`, `rope` (rotary embedding), `chunked_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from .indexer import indexer_topk, indexer_topk_reference, stable_topk  # noqa: 
 from .mla import sparse_mla, sparse_mla_reference  # noqa: E402
 from .moe import moe_experts, moe_experts_reference, route  # noqa: E402
 from .norm import chunked_cross_entropy, rms_norm, rms_norm_reference  # noqa: E402
+from .rotary import rope, rope_reference  # noqa: E402
 
 __all__ = [
     "backend",
@@ -85,6 +86,8 @@ __all__ = [
     "rms_norm",
     "route",
     "rms_norm_reference",
+    "rope",
+    "rope_reference",
     "sparse_mla",
     "sparse_mla_reference",
     "stable_topk",

@@ -14,6 +14,7 @@ from temper_kernels import indexer as kix
 from temper_kernels import mla as kmla
 from temper_kernels import moe as kmoe
 from temper_kernels import norm as knorm
+from temper_kernels import rotary as krope
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
 
@@ -293,3 +294,53 @@ def test_chunked_cross_entropy_equals_the_full_logits_loss():
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, (h, wt)), torch.autograd.grad(want, (h, wt)), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _rope_by_hand(x: torch.Tensor, theta: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The textbook rotation, pair by pair with complex numbers, then laid out half-split (independent of the twin)."""
+    d = x.shape[-1]
+    pairs = x.unflatten(-1, (d // 2, 2)) if interleave else torch.stack([x[..., : d // 2], x[..., d // 2 :]], -1)
+    z = torch.view_as_complex(pairs.double().contiguous()) * torch.polar(torch.ones_like(theta.double()),
+                                                                         theta.double())
+    return torch.cat([z.real, z.imag], -1).to(x.dtype)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_kernel_forward_and_backward_on_the_models_shapes(triton_mode, interleave):
+    """The three calls the model makes: a query's rotary slice [B, T, H, nope + r][..., nope:] with cos [B, T, 1, r/2],
+    the latent's slice [B, T, kv + r][..., kv:] with cos [B, T, r/2], and an odd head count (a masked tail of the
+    head tile): values against the rotation by hand, gradients against the torch twin's autograd."""
+    g = torch.Generator().manual_seed(7)
+    b, t, r = 2, 5, 16
+    theta = torch.randn(b, t, r // 2, generator=g) * 3
+    for full, heads in (((b, t, 3, 8 + r), (2,)), ((b, t, 12 + r), ()), ((b, t, 17, r), (2,))):
+        base = torch.randn(*full, generator=g, requires_grad=True)
+        x = base[..., full[-1] - r :]
+        cos, sin = theta.cos(), theta.sin()
+        if heads:
+            cos, sin, th = cos.unsqueeze(2), sin.unsqueeze(2), theta.unsqueeze(2)
+        else:
+            th = theta
+        got = kernels.rope(x, cos, sin, interleave)
+        assert got.shape == x.shape and got.is_contiguous()
+        torch.testing.assert_close(got, _rope_by_hand(x.detach(), th.expand(*x.shape[:-1], r // 2), interleave))
+        want = krope.rope_reference(x, cos, sin, interleave)
+        gout = torch.randn(got.shape, generator=g)
+        (ga,) = torch.autograd.grad(got, base, gout)
+        (gb,) = torch.autograd.grad(want, base, gout)
+        torch.testing.assert_close(ga, gb, atol=1e-6, rtol=1e-5)
+        if full[-1] > r:  # only the rotary slice gets a gradient
+            assert ga[..., : full[-1] - r].abs().max() == 0 and ga[..., full[-1] - r :].abs().max() > 0
+
+
+def test_rope_falls_back_to_the_twin_where_the_kernel_does_not_apply(triton_mode, monkeypatch):
+    """cos/sin that need a gradient or do not broadcast as positions × heads take the twin (values still right)."""
+    calls = []
+    monkeypatch.setattr(krope._Rope, "apply", lambda *a: calls.append(a) or krope.rope_reference(*a[:4]))
+    x = torch.randn(2, 3, 4, 8)
+    c, s = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    kernels.rope(x, c, s, True)
+    assert len(calls) == 1
+    kernels.rope(x, c.requires_grad_(), s, True)  # a gradient for cos: the twin
+    kernels.rope(x, torch.randn(3, 1, 4), torch.randn(3, 1, 4), True)  # cos not indexed by x's leading dims
+    assert len(calls) == 1
