@@ -45,6 +45,7 @@ from temper_kernels import indexer as kix  # noqa: E402
 from temper_kernels import mla as kmla  # noqa: E402
 from temper_kernels import moe as kmoe  # noqa: E402
 from temper_kernels import norm as knorm  # noqa: E402
+from temper_kernels import rotary as krope  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H200 dense bf16
 PEAK_GBS = 4800.0  # H200 HBM3e
@@ -404,6 +405,17 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
     with torch.no_grad():
         both("RMSNorm forward", lambda: knorm.rms_norm_reference(xn, wn, 1e-6), lambda: kernels.rms_norm(xn, wn, 1e-6),
              nbytes=2 * xn.numel() * xn.element_size())
+    # rotary: the query's rotary slice of a GLM-5-sized batch (64 heads, r = 64), cos/sin broadcast over the heads
+    b_, t_, h_, r_ = (2, 8, 4, 16) if smoke else (4, 4096, 64, 64)
+    qf = torch.randn(b_, t_, h_, 128 + r_, device=dev, generator=g).to(dtype)
+    ang = torch.randn(b_, t_, 1, r_ // 2, device=dev, generator=g)
+    cs, sn = ang.cos().to(dtype), ang.sin().to(dtype)
+    with torch.no_grad():
+        err = (kernels.rope(qf[..., 128:], cs, sn, True).float()
+               - krope.rope_reference(qf[..., 128:].float(), cs.float(), sn.float(), True)).abs().max().item()
+        both("rotary (rope) forward", lambda: krope.rope_reference(qf[..., 128:], cs, sn, True),
+             lambda: kernels.rope(qf[..., 128:], cs, sn, True), nbytes=2 * b_ * t_ * h_ * r_ * qf.element_size(),
+             check=lambda: f"max |Δ| vs fp32 {err:.1e}")
     table("kernels vs torch references", ["kernel", "reference ms", "triton ms", "speed-up", "rate (% of H200 peak)",
                                           "check"], rows)
 
