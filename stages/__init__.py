@@ -275,6 +275,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     if cfg.base.checkpoint:
         ckpt = resolve_base(cfg.base.checkpoint)
         card = check_base(ckpt)
+        _same_model(cfg, str(ckpt), "base.checkpoint")
         log(f"warm start: base checkpoint {ckpt} ({card.get('steps', '?')} recipe steps, card pass@1 "
             f"{card.get('eval', {}).get('all', {}).get('pass@1', float('nan')):.2f})")
         return {"checkpoint": str(ckpt), "parent": None, "source": "base", "sft_steps": 0, "resumed_from_step": 0,
@@ -324,8 +325,9 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
 
 
 def _same_model(cfg, checkpoint: str, what: str) -> None:
-    """Refuse a warm start whose model is not the preset's (another preset's iteration in the same run root, say):
-    the engines, trainers and experts would all be built from the preset's `model`."""
+    """Refuse a warm start whose model is not the preset's (another preset's iteration in the same run root, or a
+    `base.checkpoint` of another size): the engines, trainers and experts would all be built from the preset's
+    `model`."""
     from model import load_config
 
     have = load_config(checkpoint).model_dump()

@@ -72,15 +72,12 @@ class OPDTrainer:
             rows = rows.to(model_device(teacher))
             return rows_logprobs(teacher.eval(), rows.ids, rows.lengths, self.cfg.exact_rows)[0]
 
-        import torch.distributed as dist
+        from .backends import from_main
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # the main rank holds the teachers (the stage gives the others none) and shares its scores with every rank
-            box = [[t.cpu() for t in self.teachers.score_batches(batches, score)] if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            return [t.to(dev) for t in box[0]]
-        # returned on the student's device, whoever scored them (a server pool returns host tensors)
-        return [t.to(dev) for t in self.teachers.score_batches(batches, score)]
+        # the main rank holds the teachers (under torchrun the stage gives the other ranks none) and shares its scores
+        # with every rank; returned on the student's device, whoever scored them (a server pool returns host tensors)
+        scored = from_main(self.backend, lambda: [t.cpu() for t in self.teachers.score_batches(batches, score)])
+        return [t.to(dev) for t in scored]
 
     def step(self, trajs: list[Trajectory], current_version: int | None = None) -> dict:
         """One update on the student's own trajectories (crashed and empty ones dropped). With the version the

@@ -69,3 +69,12 @@ def test_a_hand_off_of_another_model_is_refused_with_the_keys(tmp_path):
         stages.warm_start(configs.load("tiny"), envs, tmp_path / "ws", str(tmp_path / "micro"))
     got = stages.warm_start(configs.load("micro"), envs, tmp_path / "ws", str(tmp_path / "micro"))
     assert got["checkpoint"] == str(tmp_path / "micro") and got["source"] == "previous iteration"
+
+
+def test_a_base_checkpoint_of_another_model_is_refused_with_the_keys():
+    from pathlib import Path
+
+    base = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-base"  # tiny's shipped base, on micro
+    with pytest.raises(ValueError, match=r"base.checkpoint .* another model than this preset's \(hidden_size: 128 there"):
+        stages.warm_start(configs.load("micro", [f"base.checkpoint={base}"]), {"train": None}, Path("/nonexistent"),
+                          None)

@@ -62,6 +62,7 @@ def main(out: Path, tp: int, ep: int) -> None:
                     "critic": {k: v.detach().clone() for k, v in critic.state_dict().items() if torch.is_tensor(v)}}
 
         m, opt, critic, copt = build(0)
+        init = shard(m, critic)
         step(m, opt, critic, copt, batch_a)
         after_a = {k: v.clone() for k, v in to_hf_state(be.export(m))}
         save_training_state(out / "state", policy=m, optimizer=opt, critic=critic, critic_optimizer=copt, step=1,
@@ -83,8 +84,7 @@ def main(out: Path, tp: int, ep: int) -> None:
         resumed = shard(m2, critic2)
         torch.save({"continued": continued, "resumed": resumed, "draws": (draw_continued, draw_resumed),
                     "refused": refused, "after_a": after_a if be.is_main else None, "layout": be.state_layout(),
-                    "moved": any(not torch.equal(continued["policy"][k], v) for k, v in shard(*build(0)[::2])["policy"]
-                                 .items())},
+                    "moved": any(not torch.equal(continued["policy"][k], v) for k, v in init["policy"].items())},
                    out / f"rank{torch.distributed.get_rank()}.pt")
     finally:
         be.close()
