@@ -11,7 +11,9 @@ One script, ≤ 6 minutes on one H200. It prints tables and writes every figure 
 3. tp2 — TP = 2 (sequence parallel) and TP = EP = 2 in two / four gloo ranks on the host CPU. NCCL refuses two ranks
    on one GPU, so one H200 cannot hold a TP = 2 group; this section is the same check the CPU suite runs.
 4. speed — forward+backward tokens/s of the Megatron backend against the torch backend on the same bf16 weights
-   (the 524M-total config of bench/gpu.py, B = 4, T = 4096), with peak memory.
+   (the 524M-total config of bench/gpu.py, B = 4, T = 4096), with peak memory; the Megatron model twice, its routed
+   experts as temper's `GroupedExperts` (the default: two grouped GEMMs per layer) and as Megatron's `SequentialMLP`
+   (a loop over the experts).
 
 `--smoke` runs every section at toy shapes on the CPU (tested), so the script stays working without a GPU:
 
@@ -242,9 +244,12 @@ def section_speed(dev, smoke: bool) -> None:
     ids = torch.randint(0, cfg.vocab_size - 16, (b, t), device=dev)
     be = MegatronBackend(dtype=dtype)
     try:
-        mg = be.wrap(ours)
+        mg = be.wrap(ours)  # experts="grouped"
+        be.experts = "sequential"
+        mg_seq = be.wrap(ours)
+        be.experts = "grouped"
         rows = []
-        for name, m in (("torch", ours), ("megatron", mg)):
+        for name, m in (("torch", ours), ("megatron", mg), ("megatron_sequential", mg_seq)):
             def step(m=m):
                 loss, _, _ = step_loss(m, ids, b * (t - 1))
                 loss.backward()
@@ -267,9 +272,10 @@ def section_speed(dev, smoke: bool) -> None:
             peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
             record("speed", name, {"fwd_bwd_tok_s": tok_s, "peak_gib": peak, "B": b, "T": t, "dtype": str(dtype)})
             rows.append([name, tok_s, peak])
-        ratio = RESULTS["speed"]["megatron"]["fwd_bwd_tok_s"] / RESULTS["speed"]["torch"]["fwd_bwd_tok_s"]
-        record("speed", "megatron_over_torch", ratio)
-        rows.append(["megatron / torch", ratio, float("nan")])
+        for name in ("megatron", "megatron_sequential"):
+            ratio = RESULTS["speed"][name]["fwd_bwd_tok_s"] / RESULTS["speed"]["torch"]["fwd_bwd_tok_s"]
+            record("speed", f"{name}_over_torch", ratio)
+            rows.append([f"{name} / torch", ratio, float("nan")])
         table(f"forward+backward tokens/s, B = {b}, T = {t}, {dtype}", ["backend", "tok/s", "peak GiB"], rows)
     finally:
         be.close()

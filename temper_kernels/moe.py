@@ -90,10 +90,31 @@ def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
 
 
 def grouped_mm(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of xs [M, Kin] times w[e]ᵀ (w [E, Nout, Kin]) → [M, Nout]."""
+    """Rows [ends[e-1], ends[e]) of xs [M, Kin] times w[e]ᵀ (w [E, Nout, Kin]) → [M, Nout]; `ends` (int32) on the
+    device, the rows sorted by expert. torch's grouped GEMM where it applies, else the Triton kernel (no host sync
+    either way). Differentiable in xs and w."""
     if _torch_grouped_ok(xs, w):
         return torch._grouped_mm(xs, w.transpose(-2, -1), offs=ends)
     return _GroupedMM.apply(xs, w, ends)
+
+
+def grouped_mm_reference(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The torch twin of `grouped_mm`: one `F.linear` per expert's rows (reads `ends` back to the host)."""
+    outs, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        outs.append(F.linear(xs[start:end], w[e]))
+        start = end
+    if start != xs.shape[0]:
+        raise ValueError(f"grouped_mm: the groups cover {start} rows of {xs.shape[0]}")
+    return torch.cat(outs, 0)
+
+
+def grouped_linear(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` on a device the kernels serve (`backend`), its twin elsewhere: the op for a caller that runs on
+    either (Megatron's expert module, `trainers/megatron/experts.py`)."""
+    if backend(xs, w) == "reference":
+        return grouped_mm_reference(xs, w, ends)
+    return grouped_mm(xs, w, ends.to(torch.int32))
 
 
 def _torch_grouped_ok(xs: torch.Tensor, w: torch.Tensor) -> bool:

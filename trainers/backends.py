@@ -290,7 +290,7 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
 
         m = cfg.megatron
         return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
-                               timeout_s=cfg.timeout_s)
+                               timeout_s=cfg.timeout_s, experts=m.experts)
     if world_size > 1:
         be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device)
     else:

@@ -370,7 +370,7 @@ def _own_part(state: TrainingState, backend) -> TrainingState:
         saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
         now = f"a sharded layout {here}" if here is not None else "an unsharded backend"
         raise ValueError(f"{state.path}: the training state was saved by {saved}; this run has {now}. Resume with "
-                         "the same trainer.world_size and trainer.megatron (tp, ep, etp), or start a new run from "
+                         "the same trainer.world_size and trainer.megatron (tp, ep, etp, experts), or start a new run from "
                          f"its whole policy ({state.policy_path})")
     import torch.distributed as dist
 

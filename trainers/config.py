@@ -158,6 +158,8 @@ class MegatronConfig(BaseModel):
     ep: int = Field(default=1, ge=1)
     etp: int | None = Field(default=None, ge=1)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the routed experts: temper's grouped GEMMs (GroupedExperts) or Megatron's SequentialMLP (a loop over experts)
+    experts: Literal["grouped", "sequential"] = "grouped"
 
 
 class TrainerConfig(BaseModel):

@@ -42,3 +42,4 @@ def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
     assert res["sao"]["fp32"]["updated"] and res["sao"]["fp32"]["grad_rel_max"] <= 1e-4
     assert res["tp2"]["tp2 ep1"]["logits_rel"] <= 1e-5 and res["tp2"]["tp2 ep1"]["grad_rel_max"] <= 1e-4
     assert res["speed"]["torch"]["fwd_bwd_tok_s"] > 0 and res["speed"]["megatron_over_torch"] > 0
+    assert res["speed"]["megatron_sequential_over_torch"] > 0

@@ -5,8 +5,8 @@
 Every rank wraps the same `micro` model on the (tp, ep) layout with a critic, takes step A (policy and critic, AdamW
 both), saves the sharded training state, takes step B: the continued run. Then a second model from other weights,
 with fresh optimizers, restores the state and takes step B: the resumed run. Each rank writes its shard's weights,
-both critics and the RNG draws of both runs to OUT/rank{R}.pt, and whether restoring on an unsharded backend was
-refused with the keys named.
+both critics and the RNG draws of both runs to OUT/rank{R}.pt, and whether restoring on an unsharded backend, or on
+the same ranks with Megatron's SequentialMLP experts in place of the grouped ones, was refused with the keys named.
 """
 
 from __future__ import annotations
@@ -78,12 +78,20 @@ def main(out: Path, tp: int, ep: int) -> None:
             restore(state, m2, opt2, critic2, copt2)  # no backend: an unsharded restore of a sharded state
         except ValueError as e:
             refused = str(e)
+        refused_experts = ""
+        be.experts = "sequential"  # the same ranks with the other expert module: its parameters are not these
+        try:
+            restore(state, m2, opt2, critic2, copt2, backend=be)
+        except ValueError as e:
+            refused_experts = str(e)
+        be.experts = "grouped"
         restore(state, m2, opt2, critic2, copt2, backend=be)
         draw_resumed = torch.rand(4)
         step(m2, opt2, critic2, copt2, batch_b)
         resumed = shard(m2, critic2)
         torch.save({"continued": continued, "resumed": resumed, "draws": (draw_continued, draw_resumed),
-                    "refused": refused, "after_a": after_a if be.is_main else None, "layout": be.state_layout(),
+                    "refused": refused, "refused_experts": refused_experts,
+                    "after_a": after_a if be.is_main else None, "layout": be.state_layout(),
                     "moved": any(not torch.equal(continued["policy"][k], v) for k, v in init["policy"].items())},
                    out / f"rank{torch.distributed.get_rank()}.pt")
     finally:

@@ -80,12 +80,14 @@ def test_mapping_refuses_what_megatron_cannot_express(update, key):
 
 
 # ---- converters -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (1, 4, 1), (2, 4, 2)])
-def test_convert_round_trip_is_bit_exact(tp, ep, etp):
+def test_convert_round_trip_is_bit_exact(tp, ep, etp, grouped):
     cfg = configs.load("tiny").model
     hf = _hf(_model(cfg))
-    shards = {(t, e, k): to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, tp_rank=t, ep_rank=e, etp_rank=k)
+    shards = {(t, e, k): to_megatron(hf, cfg, tp=tp, ep=ep, etp=etp, tp_rank=t, ep_rank=e, etp_rank=k, grouped=grouped)
               for t in range(tp) for e in range(ep) for k in range(etp)}
+    assert any(".local_experts." in n for n in shards[0, 0, 0]) is not grouped
     back = from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp)
     assert set(back) == set(hf)
     for k in hf:
@@ -120,6 +122,17 @@ def test_convert_shard_layout_by_hand():
     assert torch.equal(s["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
                        hf[e5 + "down_proj.weight"][:, mi:])
     assert torch.equal(s["mtp_layers.0.eh_proj.weight"], hf["model.layers.4.eh_proj.weight"][cfg.hidden_size // 2:])
+    # grouped experts: the same rank's two local experts stacked, local expert j at index j, in the MTP layer too
+    g = to_megatron(hf, cfg, tp=2, ep=4, etp=2, tp_rank=1, ep_rank=2, etp_rank=1, grouped=True)
+    fc1, fc2 = g["decoder.layers.1.mlp.experts.fc1_weight"], g["decoder.layers.1.mlp.experts.fc2_weight"]
+    assert fc1.shape == (2, 2 * mi, cfg.hidden_size) and fc2.shape == (2, cfg.hidden_size, mi)
+    assert torch.equal(fc1[1], torch.cat([hf[e5 + "gate_proj.weight"][mi:], hf[e5 + "up_proj.weight"][mi:]]))
+    assert torch.equal(fc2[1], hf[e5 + "down_proj.weight"][:, mi:])
+    e4 = "model.layers.4.mlp.experts.4."
+    assert torch.equal(g["mtp_layers.0.layer.mlp.experts.fc2_weight"][0], hf[e4 + "down_proj.weight"][:, mi:])
+    assert not any(".local_experts." in n for n in g) and set(g) - set(s) == {
+        p + t for p in ("decoder.layers.1.", "decoder.layers.2.", "decoder.layers.3.", "mtp_layers.0.layer.")
+        for t in ("mlp.experts.fc1_weight", "mlp.experts.fc2_weight")}
 
 
 def test_convert_errors_name_the_tensor():
@@ -164,15 +177,19 @@ def reference():
     return cfg, _hf(ref), ids, loss.item(), lg, mlg, hf_grads(ref), loads
 
 
-@pytest.mark.parametrize("tp,ep,etp", [(1, 1, 1), (2, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 1)])
-def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep, etp):
+@pytest.mark.parametrize("tp,ep,etp,experts", [(1, 1, 1, "grouped"), (2, 1, 2, "grouped"), (2, 1, 1, "grouped"),
+                                               (1, 2, 1, "grouped"), (2, 2, 1, "grouped"), (1, 1, 1, "sequential"),
+                                               (2, 2, 1, "sequential")])
+def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep, etp, experts):
     """TP = 2 is sequence parallel (experts split over the tp ranks, or whole on each and summed over them); EP = 2
-    splits the 8 experts over two data-parallel ranks, each with its own rows; TP = EP = 2 is four ranks."""
+    splits the 8 experts over two data-parallel ranks, each with its own rows; TP = EP = 2 is four ranks. The routed
+    experts as temper's GroupedExperts (the default) and as Megatron's SequentialMLP."""
     from trainers.megatron.parity import run_layout
 
     cfg, hf, ids, loss, lg, mlg, grads, loads = reference
-    r = run_layout(cfg, hf, ids, tp=tp, ep=ep, etp=etp, indexer=True)
+    r = run_layout(cfg, hf, ids, tp=tp, ep=ep, etp=etp, indexer=True, experts=experts)
     assert r["world"] == tp * ep
+    assert r["experts"] == [{"grouped": "GroupedExperts", "sequential": "SequentialMLP"}[experts]]
     assert len(r["expert_loads"]) == len(loads)  # every token routed once per layer, the padding not counted
     for got, want in zip(r["expert_loads"], loads):
         assert torch.equal(got.float(), want.float())

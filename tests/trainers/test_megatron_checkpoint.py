@@ -37,6 +37,7 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep):
                 assert torch.equal(want[k], have[k]), (i, part, k)
         assert torch.equal(*got["draws"]), i  # each rank's RNG streams continue where they were saved
         assert "trainer.megatron" in got["refused"] and "trainer.world_size" in got["refused"], got["refused"]
+        assert "'experts': 'grouped'" in got["refused_experts"] and "experts)" in got["refused_experts"]
     if tp == 2:  # the ranks hold different halves of the attention, so their files must differ
         a, b = (r["continued"]["policy"] for r in ranks)
         assert any(not torch.equal(a[k], b[k]) for k in a if k in b and a[k].shape == b[k].shape)

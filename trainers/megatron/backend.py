@@ -26,7 +26,7 @@ from model.checkpoint import from_hf_state, to_hf_state
 from trainers.backends import TrainBackend
 
 from . import parallel
-from .convert import from_megatron, load_into, megatron_state
+from .convert import from_megatron, is_routed_expert, load_into, megatron_state
 
 
 def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -54,8 +54,10 @@ def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 class MegatronBackend(TrainBackend):
     def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *,
-                 dtype: torch.dtype = torch.float32, dist_backend: str | None = None, timeout_s: float = 600.0):
+                 dtype: torch.dtype = torch.float32, dist_backend: str | None = None, timeout_s: float = 600.0,
+                 experts: str = "grouped"):
         self.layout = parallel.initialize(tp, pp, ep, etp, backend=dist_backend, timeout_s=timeout_s)
+        self.experts = experts  # the routed experts' module: "grouped" (temper's GroupedExperts) or "sequential"
         self.rank, self.world_size = self.layout.dp_rank, self.layout.dp
         self.sharded_state = self.layout.world_size > 1  # each rank saves its shard's optimizer (and critic) state
         self.dtype = dtype
@@ -72,7 +74,7 @@ class MegatronBackend(TrainBackend):
     def state_layout(self) -> dict:
         lay = self.layout
         return {"world": lay.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp,
-                "dtype": str(self.dtype).removeprefix("torch.")}
+                "dtype": str(self.dtype).removeprefix("torch."), "experts": self.experts}
 
     def dp_group(self):
         from megatron.core import parallel_state as ps
@@ -93,7 +95,8 @@ class MegatronBackend(TrainBackend):
         # every tensor is loaded below: no initialisation, and the caller's RNG streams are left as they were
         with torch.random.fork_rng(devices=[]):
             m = MegatronGLM(cfg, transformer_config(cfg, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp,
-                                                    dtype=self.dtype, perform_initialization=False))
+                                                    dtype=self.dtype, perform_initialization=False),
+                            experts=self.experts)
         cast_like_temper(m, self.dtype)  # before the load: the fp32 tensors get the exact fp32 values
         load_into(m, hf, tp=lay.tp, ep=lay.ep, etp=lay.etp, tp_rank=lay.tp_rank, ep_rank=lay.ep_rank,
                   etp_rank=ps.get_expert_tensor_parallel_rank())
@@ -158,7 +161,7 @@ class MegatronBackend(TrainBackend):
                 continue
             grads.append(p.grad)
             sq = p.grad.double().pow(2).sum()
-            if ".local_experts." in name:
+            if is_routed_expert(name):
                 expert += sq  # distinct over the expert model-parallel ranks
             elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                 dense += sq  # a tp shard, or a replicated weight counted on tp rank 0 only

@@ -11,7 +11,9 @@ A rank's shard is named by (tp_rank, ep_rank, etp_rank). The rules, per HF tenso
   cat(gate_r, up_r) (not a plain row split);
 * vocab split over tp: `embed_tokens`, `lm_head`; MTP's `eh_proj` is column-parallel (output rows);
 * routed experts: expert e lives on ep rank e // (E/ep) as `local_experts.{e mod E/ep}`, its fc1/fc2 split over
-  etp like a gated MLP.
+  etp like a gated MLP. With grouped experts (`experts.GroupedExperts`, `grouped=True`) a rank's local experts are
+  stacked instead: `experts.fc1_weight` [E/ep, 2·I/etp, H] and `experts.fc2_weight` [E/ep, H, I/etp], local expert j
+  at index j.
 
 `to_megatron(hf, cfg, ...)` builds one rank's shard; `from_megatron(shards, cfg, ...)` joins every rank's shard back
 into the HF dict. Both only slice and concatenate, so a round trip is bit-exact.
@@ -81,6 +83,35 @@ def _moe_layers(cfg: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+FC1, FC2 = "fc1_weight", "fc2_weight"  # GroupedExperts' stacked tensors
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's tensor (sharded over ep and etp, its gradient summed over the expert-data-parallel group),
+    in either expert layout; the shared experts are `mlp.shared_experts.`, dense like the rest."""
+    return ".mlp.experts." in name
+
+
+def _stack_experts(shard: dict[str, torch.Tensor], cfg: ModelConfig, per: int) -> None:
+    """Per-expert `local_experts.{j}.linear_fc{1,2}.weight` → the stacked `fc1_weight` / `fc2_weight`, in place."""
+    for _, mg_pre in _moe_layers(cfg):
+        top = mg_pre.removesuffix("local_experts.")
+        for n, t in ((1, FC1), (2, FC2)):
+            shard[top + t] = torch.stack([shard.pop(f"{mg_pre}{j}.linear_fc{n}.weight") for j in range(per)])
+
+
+def _unstack_experts(shard: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A shard in either expert layout → the per-expert names (views of the stacked tensors)."""
+    out = dict(shard)
+    for _, mg_pre in _moe_layers(cfg):
+        top = mg_pre.removesuffix("local_experts.")
+        for n, t in ((1, FC1), (2, FC2)):
+            if top + t in out:
+                for j, w in enumerate(out.pop(top + t).unbind(0)):
+                    out[f"{mg_pre}{j}.linear_fc{n}.weight"] = w
+    return out
+
+
 def _check(cfg: ModelConfig, tp: int, ep: int, etp: int) -> None:
     if cfg.n_routed_experts % ep:
         raise ValueError(f"expert parallel size {ep} does not divide n_routed_experts={cfg.n_routed_experts}")
@@ -121,8 +152,9 @@ def _join(kind: str, parts: list[torch.Tensor], name: str = "", rtol: float = 0.
 
 
 def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int | None = None,
-                tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """The shard of rank (tp_rank, ep_rank, etp_rank): Megatron names → tensors (views into `hf` where possible)."""
+                tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0, grouped: bool = False) -> dict[str, torch.Tensor]:
+    """The shard of rank (tp_rank, ep_rank, etp_rank): Megatron names → tensors (views into `hf` where possible).
+    `grouped`: the local experts stacked, as `GroupedExperts` holds them."""
     etp = tp if etp is None else etp
     _check(cfg, tp, ep, etp)
     out: dict[str, torch.Tensor] = {}
@@ -138,6 +170,8 @@ def to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1, e
             g, u, d = (hf[f"{hf_pre}{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
             out[f"{mg_pre}{j}.linear_fc1.weight"] = _split(GLU, [g, u], etp, etp_rank)
             out[f"{mg_pre}{j}.linear_fc2.weight"] = _split(ROW, [d], etp, etp_rank)
+    if grouped:
+        _stack_experts(out, cfg, per)
     return out
 
 
@@ -146,9 +180,10 @@ def from_megatron(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], c
     """Join every rank's shard (keyed by (tp_rank, ep_rank, etp_rank)) into the HF state dict. Dense tensors are read
     from one shard per tp rank, experts from one shard per (ep rank, etp rank); replicated tensors
     must agree across the tp ranks: bit for bit (weights), or within `rtol` of their largest entry (gradients, whose
-    all-reduce may sum in a different order on each rank)."""
+    all-reduce may sum in a different order on each rank). Shards may hold their experts in either layout."""
     etp = tp if etp is None else etp
     _check(cfg, tp, ep, etp)
+    shards = {k: _unstack_experts(v, cfg) for k, v in shards.items()}
     dense = {k[0]: v for k, v in sorted(shards.items(), reverse=True)}  # tp rank → its shard of lowest ep rank
     expert = {(k[1], k[2]): v for k, v in sorted(shards.items(), reverse=True)}  # (ep, etp) rank → a shard
     missing = [r for r in range(tp) if r not in dense] + [k for k in
@@ -179,8 +214,9 @@ def megatron_state(model) -> dict[str, torch.Tensor]:
 def load_into(model, hf: dict[str, torch.Tensor], *, tp: int = 1, ep: int = 1, etp: int | None = None,
               tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """Copy this rank's shard of `hf` into a MegatronGLM (every tensor must be covered, shapes must match)."""
-    shard = to_megatron(hf, model.config, tp=tp, ep=ep, etp=etp, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
     own = megatron_state(model)
+    shard = to_megatron(hf, model.config, tp=tp, ep=ep, etp=etp, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank,
+                        grouped=any(k.endswith(".experts." + FC1) for k in own))
     if set(shard) != set(own):
         extra, missing = sorted(set(shard) - set(own)), sorted(set(own) - set(shard))
         raise KeyError(f"shard/model mismatch: unexpected {extra[:5]}, missing {missing[:5]}")

@@ -3,14 +3,16 @@
 What Megatron supplies: the parallel state, `TransformerBlock` / `TransformerLayer` (built from
 `get_gpt_decoder_block_spec`, so the first `first_k_dense_replace` layers are dense and the rest MoE), its
 tensor-parallel linears and vocab-parallel embedding, and the MoE layer (`TopKRouter` with sigmoid scores, the
-expert bias, group-limited top-k and the routed scaling factor; the token dispatcher; `SequentialMLP` experts;
-`SharedExpertMLP`).
+expert bias, group-limited top-k and the routed scaling factor; the token dispatcher; `SharedExpertMLP`; and, with
+`experts="sequential"`, its `SequentialMLP` experts).
 
 What temper supplies, as a `ModuleSpec` in the layer's `self_attention` slot: MLA with the DSA lightning indexer
 and IndexShare (`MegatronMLA`, temper's own `model.attention.MLA` with its heads split over the tensor-parallel
 ranks). Megatron's MLA spec cannot be built without Transformer Engine (its local `DotProductAttention` rejects
 `k_channels`) and its DSA spec supports only Transformer Engine, so the attention core is temper's: the Triton
-sparse-MLA and indexer kernels on a GPU, the torch twins elsewhere.
+sparse-MLA and indexer kernels on a GPU, the torch twins elsewhere. By default (`experts="grouped"`) the routed
+experts are temper's too, in the layer's `experts` slot: `GroupedExperts`, two grouped GEMMs per layer on the kernels'
+`grouped_linear` (trainers/megatron/experts.py), where `SequentialMLP` loops over the experts.
 
 `MegatronGLM` is a training model with the interface the trainers use on `model.Transformer`: `run(ids)` →
 `ModelOutput(logits, hidden)`, `mtp(hidden, next_ids, step)`, `mtp_layers`, `norm`, `lm_head`, `config` (the
@@ -39,8 +41,11 @@ from model.config import ModelConfig
 from model.layers import RMSNorm, Rotary
 from model.transformer import ModelOutput, Transformer
 
-from .convert import from_megatron, load_into, megatron_state
+from .convert import from_megatron, is_routed_expert, load_into, megatron_state
+from .experts import GroupedExperts
 from .mapping import megatron_args
+
+EXPERTS = ("grouped", "sequential")  # temper's GroupedExperts, or Megatron's SequentialMLP
 
 
 @functools.cache
@@ -270,9 +275,11 @@ class MTPBlock(nn.Module):
 class MegatronGLM(nn.Module):
     """See the module docstring. Build with `MegatronGLM(cfg, mcfg)` after `parallel.initialize(...)`."""
 
-    def __init__(self, config: ModelConfig, mcfg):
+    def __init__(self, config: ModelConfig, mcfg, experts: str = "grouped"):
         super().__init__()
         ps, tpl, get_block_spec, _, ModuleSpec, build_module, TransformerBlock = _mcore()
+        if experts not in EXPERTS:
+            raise ValueError(f"MegatronGLM: experts={experts!r} is not one of {', '.join(EXPERTS)}")
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("MegatronGLM runs one pipeline stage; pipeline_model_parallel_size must be 1")
         self.config, self.mcfg = cfg, mcfg = config, mcfg
@@ -286,6 +293,8 @@ class MegatronGLM(nn.Module):
             sub = spec.submodules
             sub.self_attention = attn
             sub.input_layernorm = sub.pre_mlp_layernorm = norm
+            if experts == "grouped" and getattr(sub.mlp.submodules, "experts", None) is not None:
+                sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
         self.embed_tokens = tpl.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=mcfg.init_method,
                                                        config=_no_sp(mcfg))
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -430,7 +439,7 @@ class MegatronGLM(nn.Module):
             g = p.grad.contiguous()
             if self.sp and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(g, group=tp_g)
-            group = edp_g if ".local_experts." in name else dp_g
+            group = edp_g if is_routed_expert(name) else dp_g
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(g, group=group)
             if average and dp > 1:

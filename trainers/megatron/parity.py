@@ -57,7 +57,7 @@ def megatron_grads(model) -> dict[str, torch.Tensor]:
 
 
 def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, payload: str, out_dir: str,
-                device: str, dtype: str) -> None:
+                device: str, dtype: str, experts: str = "grouped") -> None:
     """One rank: build MegatronGLM on the (tp, ep) layout, load its shard, run `step_loss`, save its results."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
 
     blob = torch.load(payload, weights_only=False)
     cfg = ModelConfig(**blob["cfg"])
-    be = MegatronBackend(tp, 1, ep, etp, dtype=getattr(torch, dtype))
+    be = MegatronBackend(tp, 1, ep, etp, dtype=getattr(torch, dtype), experts=experts)
     try:
         ref = Transformer(cfg)
         ref.load_state_dict(from_hf_state(cfg, blob["hf"]), strict=False)
@@ -91,7 +91,8 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
         torch.save({"key": (lay.tp_rank, lay.ep_rank, etp_rank), "dp": (be.rank, be.world_size), "loss": loss.item(),
                     "logits": lg.cpu(), "mtp_logits": None if mlg is None else mlg.cpu(), "grad_norm": float(norm),
                     "grads": megatron_grads(m), "loads": [c.clone().cpu() for c in m.expert_loads()],
-                    "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}, "exported": exported},
+                    "weights": {k: v.float().cpu() for k, v in megatron_state(m).items()}, "exported": exported,
+                    "experts": sorted({type(x.experts).__name__ for x in m.moe_layers()})},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         be.close()
@@ -99,9 +100,9 @@ def rank_worker(rank: int, world: int, port: int, tp: int, ep: int, etp: int, pa
 
 def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor, *, tp: int = 1, ep: int = 1,
                etp: int | None = None, device: str = "cpu", dtype: str = "float32", mtp_w: float = 0.3,
-               indexer: bool = False) -> dict:
+               indexer: bool = False, experts: str = "grouped") -> dict:
     """Run `rank_worker` on tp·ep fresh processes; returns the joined loss, logits and HF-named gradients.
-    `etp`: the experts' tensor-parallel size (None: tp, Megatron's default)."""
+    `etp`: the experts' tensor-parallel size (None: tp, Megatron's default); `experts`: the routed experts' module."""
     from trainers.backends import free_port
 
     world = tp * ep
@@ -110,7 +111,7 @@ def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor,
     try:
         payload = str(Path(out_dir) / "payload.pt")
         torch.save({"cfg": cfg.model_dump(), "hf": hf, "ids": ids, "mtp_w": mtp_w, "indexer": indexer}, payload)
-        torch.multiprocessing.spawn(rank_worker, args=(world, free_port(), tp, ep, etp, payload, out_dir, device, dtype),
+        torch.multiprocessing.spawn(rank_worker, args=(world, free_port(), tp, ep, etp, payload, out_dir, device, dtype, experts),
                                     nprocs=world, join=True)
         res = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
     finally:
@@ -131,6 +132,6 @@ def run_layout(cfg: ModelConfig, hf: dict[str, torch.Tensor], ids: torch.Tensor,
     else:
         logits, mtp, loss, loads = res[0]["logits"], res[0]["mtp_logits"], res[0]["loss"], res[0]["loads"]
     return {"loss": loss, "logits": logits, "mtp_logits": mtp, "world": world, "expert_loads": loads,
-            "grad_norm": res[0]["grad_norm"], "exported": res[0]["exported"],
+            "grad_norm": res[0]["grad_norm"], "exported": res[0]["exported"], "experts": res[0]["experts"],
             "grads": from_megatron(shards, cfg, tp=tp, ep=ep, etp=etp, rtol=1e-4),  # each shard: the step's gradient
             "weights": from_megatron(weights, cfg, tp=tp, ep=ep, etp=etp)}
