@@ -244,12 +244,16 @@ def section_speed(dev, smoke: bool) -> None:
     ids = torch.randint(0, cfg.vocab_size - 16, (b, t), device=dev)
     be = MegatronBackend(dtype=dtype)
     try:
-        mg = be.wrap(ours)  # experts="grouped"
-        be.experts = "sequential"
-        mg_seq = be.wrap(ours)
-        be.experts = "grouped"
+        def megatron(experts: str):
+            be.experts = experts
+            return be.wrap(ours)
+
         rows = []
-        for name, m in (("torch", ours), ("megatron", mg), ("megatron_sequential", mg_seq)):
+        # built as they come (the sequential one last: a run cut at its cap keeps the others' figures)
+        for name, build in (("torch", lambda: ours), ("megatron", lambda: megatron("grouped")),
+                            ("megatron_sequential", lambda: megatron("sequential"))):
+            m = build()  # the previous Megatron model is freed as m and step are rebound
+
             def step(m=m):
                 loss, _, _ = step_loss(m, ids, b * (t - 1))
                 loss.backward()
