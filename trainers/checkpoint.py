@@ -355,7 +355,12 @@ def restore(
             continue
         if sd is None:
             raise ValueError(f"{state.path}: checkpoint has no {name} state to restore")
-        obj.load_state_dict(sd)
+        try:
+            obj.load_state_dict(sd)
+        except ValueError as e:  # torch's "parameter group that doesn't match the size": other parameters than saved
+            raise ValueError(f"{state.path}: its {name} state does not fit this model's parameters ({e}). A model "
+                             "built another way since the save (trainer.kind, trainer.megatron.experts) cannot "
+                             f"resume it; start a new run from its policy ({state.policy_path})") from e
     if rng:
         set_rng_state(state.rng)
     return state
@@ -366,7 +371,10 @@ def _own_part(state: TrainingState, backend) -> TrainingState:
     import dataclasses
 
     here = backend.state_layout() if backend is not None else None
-    if not state.ranks or backend is None or here != state.layout:
+    saved_layout = dict(state.layout or {})
+    if "tp" in saved_layout:  # Megatron layouts saved before the expert module was recorded had SequentialMLP
+        saved_layout.setdefault("experts", "sequential")
+    if not state.ranks or backend is None or here != saved_layout:
         saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
         now = f"a sharded layout {here}" if here is not None else "an unsharded backend"
         raise ValueError(f"{state.path}: the training state was saved by {saved}; this run has {now}. Resume with "

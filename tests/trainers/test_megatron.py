@@ -207,6 +207,56 @@ def test_megatron_matches_torch_logits_loss_and_grads(reference, tp, ep, etp, ex
     assert abs(r["grad_norm"] - float(norm)) <= 1e-5 * float(norm)  # the clip norm covers every shard once
 
 
+def test_a_deep_copy_keeps_megatron_s_parameter_marks(megatron_rank):
+    """SAO's critic and the KL reference are deep copies of the actor: each parameter keeps the marks Megatron and the
+    backend read (`sequence_parallel`, `tensor_model_parallel`, `allreduce`, ...); a plain deepcopy drops them."""
+    from trainers.megatron.backend import MegatronBackend
+
+    m = MegatronBackend().wrap(_model(configs.load("micro").model))
+    marked = {n: dict(p.__dict__) for n, p in m.named_parameters() if p.__dict__}
+    assert any("tensor_model_parallel" in d for d in marked.values()) and any("allreduce" in d for d in marked.values())
+    c = copy.deepcopy(m)
+    assert {n: dict(p.__dict__) for n, p in c.named_parameters() if p.__dict__} == marked
+    assert all(p is not q for p, q in zip(m.parameters(), c.parameters()))
+
+
+@pytest.mark.parametrize("mode,dtype", [("reference", torch.bfloat16), ("triton", torch.float32)])
+def test_grouped_experts_equal_megatron_s_sequential_mlp(megatron_rank, monkeypatch, mode, dtype):
+    """One MoE layer's routed experts, the same weights in both modules, the counts on the host (as Megatron's
+    dispatchers hand them over), an empty expert: GroupedExperts (its twin in bf16, or the Triton grouped GEMM under
+    the interpreter in fp32) against Megatron's SequentialMLP, outputs and every gradient."""
+    from trainers.megatron.backend import MegatronBackend
+
+    ref = _model(configs.load("micro").model)
+    mods = {}
+    for experts in ("grouped", "sequential"):
+        be = MegatronBackend(dtype=dtype)
+        be.experts = experts
+        mods[experts] = be.wrap(copy.deepcopy(ref)).moe_layers()[0].experts
+    grouped, seq = mods["grouped"], mods["sequential"]
+    assert type(grouped).__name__ == "GroupedExperts" and type(seq).__name__ == "SequentialMLP"
+    e, h = grouped.fc1_weight.shape[0], grouped.fc1_weight.shape[2]
+    counts = torch.tensor([5, 0] + [3] * (e - 2))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(int(counts.sum()), h, generator=g).to(dtype).requires_grad_()
+    probs = torch.rand(x.shape[0], generator=g)
+    out_s, _ = seq(x, counts, probs)
+    gout = torch.randn(out_s.shape, generator=g).to(dtype)
+    want = torch.autograd.grad(out_s, [x, *[p for le in seq.local_experts for p in le.parameters()]], gout)
+    monkeypatch.setenv("TEMPER_KERNELS", mode)
+    out_g, bias = grouped(x, counts, probs)
+    got = torch.autograd.grad(out_g, [x, grouped.fc1_weight, grouped.fc2_weight], gout)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    assert bias is None and out_g.dtype == dtype
+    torch.testing.assert_close(out_g, out_s, **tol)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert len(want) == 1 + 2 * e  # x, then each expert's fc1 and fc2 weights (no biases)
+    fc1, fc2 = torch.stack(list(want[1::2])), torch.stack(list(want[2::2]))
+    torch.testing.assert_close(got[1], fc1, **tol)
+    torch.testing.assert_close(got[2], fc2, **tol)
+    assert torch.count_nonzero(got[1][1]) == 0 and torch.count_nonzero(got[2][1]) == 0  # the empty expert
+
+
 @pytest.fixture
 def megatron_rank():
     from trainers.megatron import parallel

@@ -178,6 +178,34 @@ def test_round_trip_restores_weights_optimizer_critic_and_rng(tmp_path):
     _save(tmp_path / "no-critic", model, trainer, 1)
     with pytest.raises(ValueError, match="no critic state"):
         restore(load_training_state(tmp_path / "no-critic"), model2, trainer2.opt, critic2)
+    # an optimizer over other parameters than the saved one's (a model built another way since): named, not torch's
+    # bare "parameter group" error
+    other = torch.optim.AdamW(list(model2.parameters())[:3])
+    with pytest.raises(ValueError, match=r"optimizer state does not fit .*trainer\.megatron\.experts"):
+        restore(load_training_state(tmp_path), model2, other)
+
+
+def test_a_sharded_state_is_refused_on_another_megatron_layout_and_legacy_layouts_read_as_sequential(tmp_path):
+    """Rank files of a Megatron layout saved before the expert module was recorded held SequentialMLP experts: the
+    grouped module is refused with the keys to change; the sequential one passes the layout check (and goes on to
+    read its rank file, which needs a process group)."""
+    from trainers.checkpoint import TrainingState, _own_part
+
+    legacy = {"world": 2, "tp": 2, "pp": 1, "ep": 1, "etp": 2, "dtype": "float32"}
+
+    class Backend:
+        def __init__(self, experts):
+            self.layout = {**legacy, "experts": experts}
+
+        def state_layout(self):
+            return self.layout
+
+    state = TrainingState(path=tmp_path, step=1, policy_version=1, data_cursor=None, ranks=2, layout=legacy)
+    with pytest.raises(ValueError, match=r"saved by 2 ranks .*\(tp, ep, etp, experts\)"):
+        _own_part(state, Backend("grouped"))
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        _own_part(state, Backend("sequential"))
+    assert "saved by" not in str(e.value)  # past the layout check: it asks for this process's rank
 
 
 def test_atomicity_partial_saves_are_ignored(tmp_path, monkeypatch):

@@ -38,6 +38,11 @@ class GroupedExperts(nn.Module):
             raise ValueError("GroupedExperts: expert biases are not built (add_bias_linear must be False)")
         if not config.gated_linear_unit or config.activation_func is not F.silu:
             raise ValueError("GroupedExperts: the experts are SwiGLU (gated_linear_unit, activation_func=silu)")
+        unsupported = [k for k in ("moe_apply_probs_on_input", "fp8", "fp4", "activation_func_clamp_value",
+                                   "moe_latent_size") if getattr(config, k, None)]
+        unsupported += ["glu_linear_offset"] if getattr(config, "glu_linear_offset", 0.0) else []
+        if unsupported:
+            raise ValueError(f"GroupedExperts: {', '.join(unsupported)} not supported (use experts=sequential)")
         self.num_local_experts = num_local_experts
         etp = pg_collection.expt_tp.size() if pg_collection is not None else config.expert_tensor_parallel_size
         if config.moe_ffn_hidden_size % etp:
@@ -46,11 +51,14 @@ class GroupedExperts(nn.Module):
         dev = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, 2 * i, h, dtype=config.params_dtype, device=dev))
         self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, h, i, dtype=config.params_dtype, device=dev))
-        if config.perform_initialization:
+        if config.perform_initialization:  # temper's backend loads every weight; this is for a model built bare
             std = config.init_method_std
-            with torch.no_grad():
-                self.fc1_weight.normal_(0.0, std)
-                self.fc2_weight.normal_(0.0, std / math.sqrt(2.0 * config.num_layers))  # Megatron's scaled init
+            with torch.no_grad():  # each rank's experts draw from its own stream (Megatron's expert-parallel RNG)
+                g = torch.Generator(device=self.fc1_weight.device).manual_seed(
+                    torch.initial_seed() + 7919 * (1 + (pg_collection.expt_tp.rank() if pg_collection else 0))
+                    + 104729 * (pg_collection.ep.rank() if pg_collection else 0))
+                self.fc1_weight.normal_(0.0, std, generator=g)
+                self.fc2_weight.normal_(0.0, std / math.sqrt(2.0 * config.num_layers), generator=g)  # scaled init
         for p in (self.fc1_weight, self.fc2_weight):  # what Megatron's expert parameters carry
             p.allreduce = config.expert_model_parallel_size == 1
             p.tensor_model_parallel = etp > 1
@@ -58,7 +66,12 @@ class GroupedExperts(nn.Module):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        ends = torch.as_tensor(tokens_per_expert, device=x.device).long().cumsum(0)
+        ends = torch.as_tensor(tokens_per_expert).long().cumsum(0)
+        if ends.device != x.device:
+            # Megatron's allgather and alltoall dispatchers hand the counts over on the host: a blocking copy to the
+            # device would synchronise the stream once per layer; from pinned memory it is queued like a kernel
+            ends = ends.to(torch.int32)
+            ends = ends.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else ends.to(x.device)
         g, u = grouped_linear(x, self.fc1_weight, ends).chunk(2, dim=-1)
         act = F.silu(g) * u
         act = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)  # the routing weight before fc2, as Megatron's MLP

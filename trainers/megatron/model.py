@@ -475,6 +475,11 @@ class MegatronGLM(nn.Module):
             memo[id(self)] = new
             for k, v in self.__dict__.items():
                 object.__setattr__(new, k, copy.deepcopy(v, memo))
+            # a Parameter's deep copy drops its Python attributes, which Megatron and the backend read (the
+            # sequence-parallel and tensor-parallel marks, `allreduce`): without them a copy's (SAO's critic's)
+            # replicated weights would go unreduced over the tp ranks and its clip norm would miss its shards
+            for p, q in zip(self.parameters(), new.parameters(), strict=True):
+                q.__dict__.update(copy.deepcopy(p.__dict__, memo))
             return new
         finally:
             for t, f in saved.items():
