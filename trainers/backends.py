@@ -114,10 +114,18 @@ class TrainBackend(ABC):
         rank's share so that the mean over ranks is the whole batch's figure."""
         if self.world_size == 1:
             return dict(values)
-        got: list = [None] * self.world_size
-        dist.all_gather_object(got, dict(values), group=self.dp_group())
+        got = self.gather_over_ranks(dict(values))
         keys = sorted({k for g in got for k in g})
         return {k: sum(float(g.get(k, 0.0)) for g in got) / self.world_size for k in keys}
+
+    def gather_over_ranks(self, value) -> list:
+        """Every data-parallel rank's `value` (a picklable object), in rank order (one collective; every rank calls
+        it)."""
+        if self.world_size == 1:
+            return [value]
+        got: list = [None] * self.world_size
+        dist.all_gather_object(got, value, group=self.dp_group())
+        return got
 
     def dp_group(self):
         """The process group of the data-parallel ranks (None: the default group)."""

@@ -138,6 +138,19 @@ class Mismatch:
             a[2] += int((x > self.THRESHOLD).sum())
             a[3] += int(x.numel())
 
+    @classmethod
+    def merged(cls, parts: list[dict]) -> Mismatch:
+        """The mismatch over every rank's tokens, from each rank's `acc` (sums and counts add, maxima max)."""
+        m = cls()
+        for acc in parts:
+            for key, (tot, mx, over, n) in acc.items():
+                a = m.acc[key]
+                a[0] += tot
+                a[1] = max(a[1], mx)
+                a[2] += over
+                a[3] += n
+        return m
+
     def stats(self) -> dict:
         out = {}
         for key, (tot, mx, over, n) in self.acc.items():
@@ -383,7 +396,7 @@ class SAOTrainer:
                 agg["replay_kl"] = agg.pop("_replay_kl") / max(agg.pop("_replay_tokens"), 1e-12)
             if epoch == 0:  # the batch as the engines generated it: mismatch, entropy and band before any update
                 stats.update(agg)
-                stats.update(mm.stats())  # this rank's tokens only
+                stats.update(Mismatch.merged(self.backend.gather_over_ranks(mm.acc)).stats())  # every rank's tokens
                 stats.update(lr=lr, tokens=n_global, grad_norm=float(gn))
             else:
                 stats.update({f"{k}_last": v for k, v in agg.items()})

@@ -68,7 +68,7 @@ def run(backend):
     st = sao.step(trajectories(), 1)
     rl = {n: (p.grad.clone() if p.grad is not None else None, p.detach().clone()) for n, p in actor.named_parameters()}
     critic = {n: p.detach().clone() for n, p in sao.critic.named_parameters()}
-    stats = {k: v for k, v in st.items() if isinstance(v, float) and not k.startswith("mismatch")}
+    stats = {k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {"sft": sft, "sao": rl, "critic": critic, "updated": st["updated"] and first["updated"], "init": init,
             "init_sft": init_sft, "stats": stats}
 

@@ -34,8 +34,10 @@ def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
         for r in ranks:
             torch.testing.assert_close(r["critic"][name], w1, rtol=1e-5, atol=1e-6, msg=f"critic {name}")
     # the step's figures are the whole batch's on every rank, not the rank's share of it: the policy loss's
-    # statistics, the entropy, the critic's loss and the replay anchor's KL (away from 0 on this second step)
+    # statistics, the entropy, the critic's loss, the replay anchor's KL (away from 0 on this second step) and the
+    # train/rollout mismatch over every rank's tokens (the count, the mean, the max)
     assert one["stats"]["replay_kl"] > 1e-5 and one["stats"]["clip_frac"] > 0
+    assert one["stats"]["mismatch_all_tokens"] > 0 and one["stats"]["mismatch_all_max"] > 0
     for r in ranks:
         assert r["stats"].keys() == one["stats"].keys()
         for k, v in one["stats"].items():
