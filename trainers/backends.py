@@ -118,6 +118,11 @@ class TrainBackend(ABC):
         keys = sorted({k for g in got for k in g})
         return {k: sum(float(g.get(k, 0.0)) for g in got) / self.world_size for k in keys}
 
+    def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
+        """The trainers' AdamW over `params` (tensors or param groups). The Megatron backend with
+        `trainer.megatron.distributed_optimizer` returns one whose moments are split over the data-parallel ranks."""
+        return torch.optim.AdamW(params, **adamw)
+
     def gather_over_ranks(self, value) -> list:
         """Every data-parallel rank's `value` (a picklable object), in rank order (one collective; every rank calls
         it)."""
@@ -298,7 +303,8 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
 
         m = cfg.megatron
         return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
-                               timeout_s=cfg.timeout_s, experts=m.experts)
+                               timeout_s=cfg.timeout_s, experts=m.experts,
+                               distributed_optimizer=m.distributed_optimizer)
     if world_size > 1:
         be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device)
     else:

@@ -372,8 +372,9 @@ def _own_part(state: TrainingState, backend) -> TrainingState:
 
     here = backend.state_layout() if backend is not None else None
     saved_layout = dict(state.layout or {})
-    if "tp" in saved_layout:  # Megatron layouts saved before the expert module was recorded had SequentialMLP
+    if "tp" in saved_layout:  # Megatron layouts saved before these were recorded: SequentialMLP, whole AdamW
         saved_layout.setdefault("experts", "sequential")
+        saved_layout.setdefault("distributed_optimizer", False)
     if not state.ranks or backend is None or here != saved_layout:
         saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
         now = f"a sharded layout {here}" if here is not None else "an unsharded backend"

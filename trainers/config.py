@@ -160,6 +160,8 @@ class MegatronConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # the routed experts: temper's grouped GEMMs (GroupedExperts) or Megatron's SequentialMLP (a loop over experts)
     experts: Literal["grouped", "sequential"] = "grouped"
+    # ZeRO-1: Adam's moments split over the data-parallel ranks (dense) and the expert-data-parallel ranks (experts)
+    distributed_optimizer: bool = False
 
 
 class TrainerConfig(BaseModel):

@@ -49,7 +49,7 @@ class LMTrainer:
         self.indexer_loss = indexer_loss and model.config.use_dsa
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
         other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
-        self.opt = torch.optim.AdamW(
+        self.opt = self.backend.optimizer(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
             lr=cfg.lr, betas=cfg.betas,
         )

@@ -58,7 +58,7 @@ class OPDTrainer:
         self.student, self.teachers, self.cfg = student, teachers, cfg or OPDConfig()
         self.route = dict(route or {})
         self.lcfg = LossConfig(kind="opd", eps_low=1 - self.cfg.band_low, eps_high=self.cfg.band_high - 1)
-        self.opt = torch.optim.AdamW(student.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = self.backend.optimizer(student.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.steps = 0
 
     @torch.no_grad()

@@ -177,10 +177,10 @@ class SAOTrainer:
         self.critic = None
         if self.cfg.loss != "grpo":  # the critic copies the actor before any of the actor's parameters is frozen
             self.critic = critic or Critic(actor, self.cfg.freeze_critic_attention)
-            self.copt = torch.optim.AdamW([p for p in self.critic.parameters() if p.requires_grad],
+            self.copt = self.backend.optimizer([p for p in self.critic.parameters() if p.requires_grad],
                                           lr=self.cfg.critic_lr, weight_decay=0.0)
         self.frozen = freeze(actor, self.cfg.frozen)
-        self.opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=self.cfg.lr,
+        self.opt = self.backend.optimizer([p for p in actor.parameters() if p.requires_grad], lr=self.cfg.lr,
                                      betas=(0.9, 0.95), weight_decay=0.0)
         self.ref = None  # the frozen starting policy of the KL penalty and the replay anchor (a resumed trainer is
         if self.cfg.kl_coef > 0 or self.cfg.replay_coef > 0:  # built before its weights are restored, so this is

@@ -1,12 +1,14 @@
 """One rank of the sharded-checkpoint test (tests/trainers/test_megatron_checkpoint.py), under torchrun:
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/megatron_ckpt.py OUT TP EP
+    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/megatron_ckpt.py OUT TP EP [zero]
 
 Every rank wraps the same `micro` model on the (tp, ep) layout with a critic, takes step A (policy and critic, AdamW
 both), saves the sharded training state, takes step B: the continued run. Then a second model from other weights,
 with fresh optimizers, restores the state and takes step B: the resumed run. Each rank writes its shard's weights,
 both critics and the RNG draws of both runs to OUT/rank{R}.pt, and whether restoring on an unsharded backend, or on
 the same ranks with Megatron's SequentialMLP experts in place of the grouped ones, was refused with the keys named.
+With `zero` the optimizers are the backend's distributed one (Adam's moments split over the data-parallel ranks), and
+the same two steps are taken again with a whole AdamW on every rank, for comparison.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from trainers.megatron.parity import step_loss  # noqa: E402
 from trainers.sao import Critic  # noqa: E402
 
 
-def main(out: Path, tp: int, ep: int) -> None:
+def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
     torch.set_num_threads(1)
     cfg = configs.load("micro").model
-    be = MegatronBackend(tp, 1, ep, 1)
+    be = MegatronBackend(tp, 1, ep, 1, distributed_optimizer=zero)
     try:
         g = torch.Generator().manual_seed(3)
         batch_a, batch_b = (torch.randint(0, 256, (4, 33), generator=g) for _ in range(2))
@@ -40,8 +42,8 @@ def main(out: Path, tp: int, ep: int) -> None:
             torch.manual_seed(seed)  # the same full model on every rank, then this rank's shard of it
             m = be.wrap(Transformer(cfg))
             critic = Critic(m)
-            return (m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0), critic,
-                    torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=1e-2))
+            return (m, be.optimizer(m.parameters(), lr=1e-2, weight_decay=0.0), critic,
+                    be.optimizer([p for p in critic.parameters() if p.requires_grad], lr=1e-2))
 
         def step(m, opt, critic, copt, ids) -> None:
             rows = ids[be.rank :: be.world_size]  # data parallelism: each dp rank its rows
@@ -89,7 +91,18 @@ def main(out: Path, tp: int, ep: int) -> None:
         draw_resumed = torch.rand(4)
         step(m2, opt2, critic2, copt2, batch_b)
         resumed = shard(m2, critic2)
-        torch.save({"continued": continued, "resumed": resumed, "draws": (draw_continued, draw_resumed),
+        plain, state_numel = None, (opt.local_state_numel() if zero else None, None)
+        if zero:  # the same two steps from the same weights with a whole AdamW on every rank: the same weights
+            be.distributed_optimizer = False
+            m3, opt3, critic3, copt3 = build(0)
+            step(m3, opt3, critic3, copt3, batch_a)
+            step(m3, opt3, critic3, copt3, batch_b)
+            plain = shard(m3, critic3)
+            state_numel = (state_numel[0], sum(t.numel() for st in opt3.state.values() for t in st.values()
+                                               if torch.is_tensor(t) and t.dim() > 0))
+            be.distributed_optimizer = True
+        torch.save({"continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
+                    "draws": (draw_continued, draw_resumed),
                     "refused": refused, "refused_experts": refused_experts,
                     "after_a": after_a if be.is_main else None, "layout": be.state_layout(),
                     "moved": any(not torch.equal(continued["policy"][k], v) for k, v in init["policy"].items())},
@@ -99,4 +112,4 @@ def main(out: Path, tp: int, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), len(sys.argv) > 4 and sys.argv[4] == "zero")

@@ -21,10 +21,14 @@ pytest.importorskip("megatron.core")
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
-def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep):
+@pytest.mark.parametrize("tp, ep, zero", [(2, 1, False), (1, 2, False), (1, 2, True)])
+def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep, zero):
+    """With `zero` (trainer.megatron.distributed_optimizer at EP = 2: dense moments split over the two data-parallel
+    ranks, each rank's experts whole) the steps also equal a whole AdamW's, and each rank holds about half of the
+    dense moments."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE / "megatron_ckpt.py"), str(tmp_path), str(tp), str(ep)]
+           "--master_port", str(free_port()), str(HERE / "megatron_ckpt.py"), str(tmp_path), str(tp), str(ep),
+           *(["zero"] if zero else [])]
     r = subprocess.run(cmd, timeout=600, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
@@ -38,6 +42,14 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep):
         assert torch.equal(*got["draws"]), i  # each rank's RNG streams continue where they were saved
         assert "trainer.megatron" in got["refused"] and "trainer.world_size" in got["refused"], got["refused"]
         assert "'experts': 'grouped'" in got["refused_experts"] and "experts)" in got["refused_experts"]
+        if zero:
+            for part in ("policy", "critic"):  # the sharded optimizer's update is the whole AdamW's, bit for bit
+                for k, v in got["plain"][part].items():
+                    assert torch.equal(got["continued"][part][k], v), (i, part, k)
+    if zero:
+        (mine0, whole), (mine1, _) = (r["state_numel"] for r in ranks)
+        experts = whole - (mine0 + mine1 - whole)  # expert moments are on both ranks (each its own experts)
+        assert 0 < mine0 < whole and 0 < mine1 < whole and mine0 + mine1 > whole > experts > 0
     if tp == 2:  # the ranks hold different halves of the attention, so their files must differ
         a, b = (r["continued"]["policy"] for r in ranks)
         assert any(not torch.equal(a[k], b[k]) for k in a if k in b and a[k].shape == b[k].shape)

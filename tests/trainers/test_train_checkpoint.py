@@ -186,16 +186,16 @@ def test_round_trip_restores_weights_optimizer_critic_and_rng(tmp_path):
 
 
 def test_a_sharded_state_is_refused_on_another_megatron_layout_and_legacy_layouts_read_as_sequential(tmp_path):
-    """Rank files of a Megatron layout saved before the expert module was recorded held SequentialMLP experts: the
-    grouped module is refused with the keys to change; the sequential one passes the layout check (and goes on to
-    read its rank file, which needs a process group)."""
+    """Rank files of a Megatron layout saved before the expert module (and the optimizer) were recorded held
+    SequentialMLP experts and whole AdamW moments: the grouped module is refused with the keys to change; the
+    sequential one passes the layout check (and goes on to read its rank file, which needs a process group)."""
     from trainers.checkpoint import TrainingState, _own_part
 
     legacy = {"world": 2, "tp": 2, "pp": 1, "ep": 1, "etp": 2, "dtype": "float32"}
 
     class Backend:
         def __init__(self, experts):
-            self.layout = {**legacy, "experts": experts}
+            self.layout = {**legacy, "experts": experts, "distributed_optimizer": False}
 
         def state_layout(self):
             return self.layout

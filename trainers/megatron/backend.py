@@ -55,9 +55,10 @@ def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
 class MegatronBackend(TrainBackend):
     def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, *,
                  dtype: torch.dtype = torch.float32, dist_backend: str | None = None, timeout_s: float = 600.0,
-                 experts: str = "grouped"):
+                 experts: str = "grouped", distributed_optimizer: bool = False):
         self.layout = parallel.initialize(tp, pp, ep, etp, backend=dist_backend, timeout_s=timeout_s)
         self.experts = experts  # the routed experts' module: "grouped" (temper's GroupedExperts) or "sequential"
+        self.distributed_optimizer = distributed_optimizer  # Adam's moments split over the data-parallel ranks
         self.rank, self.world_size = self.layout.dp_rank, self.layout.dp
         self.sharded_state = self.layout.world_size > 1  # each rank saves its shard's optimizer (and critic) state
         self.dtype = dtype
@@ -74,12 +75,25 @@ class MegatronBackend(TrainBackend):
     def state_layout(self) -> dict:
         lay = self.layout
         return {"world": lay.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp,
-                "dtype": str(self.dtype).removeprefix("torch."), "experts": self.experts}
+                "dtype": str(self.dtype).removeprefix("torch."), "experts": self.experts,
+                "distributed_optimizer": self.distributed_optimizer}
 
     def dp_group(self):
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group()
+
+    def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
+        """AdamW; with `distributed_optimizer`, `ShardedAdamW`: dense moments split over the data-parallel group,
+        the routed experts' over the expert-data-parallel group (trainers/megatron/optimizer.py)."""
+        if not self.distributed_optimizer:
+            return super().optimizer(params, **adamw)
+        from megatron.core import parallel_state as ps
+
+        from .optimizer import ShardedAdamW
+
+        return ShardedAdamW(params, dense_group=ps.get_data_parallel_group(),
+                            expert_group=ps.get_expert_data_parallel_group(), **adamw)
 
     # ---- the model ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:

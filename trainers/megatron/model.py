@@ -313,6 +313,8 @@ class MegatronGLM(nn.Module):
         for m in self.moe_layers():
             m.router.register_forward_hook(self._uncount_padding)
         _mark_tp_shards(self)
+        for name, p in self.named_parameters():  # the distributed optimizer shards these over the expert-dp group
+            p.routed_expert = is_routed_expert(name)
 
     def _uncount_padding(self, router, args, out) -> None:
         """The routers count every token they route (Megatron 0.16's padding_mask for the count is broken); take the
