@@ -118,6 +118,8 @@ class TrainBackend(ABC):
         keys = sorted({k for g in got for k in g})
         return {k: sum(float(g.get(k, 0.0)) for g in got) / self.world_size for k in keys}
 
+    lockstep = False  # True where a forward is a collective over the data-parallel ranks (MegatronBackend.lockstep)
+
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
         """The trainers' AdamW over `params` (tensors or param groups). The Megatron backend with
         `trainer.megatron.distributed_optimizer` returns one whose moments are split over the data-parallel ranks."""

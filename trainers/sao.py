@@ -92,6 +92,25 @@ class Rows:
         return Rows(self.ids.to(device), self.mask.to(device), self.logp_rollout.to(device), self.owner,
                     self.counts, None if self.versions is None else self.versions.to(device), self.lengths)
 
+    @staticmethod
+    def padded(rows: Rows | None, n_rows: int, width: int, pad_id: int = 0) -> Rows:
+        """`rows` (or none) grown to `n_rows` rows of `width` tokens: the added rows are padding, masked out, owned
+        by no trajectory (-1)."""
+        r = 0 if rows is None else rows.ids.shape[0]
+        w = 0 if rows is None else rows.ids.shape[1]
+        if r > n_rows or w > width:
+            raise ValueError(f"Rows.padded: {r} rows of {w} tokens do not fit {n_rows} × {width}")
+        ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+        mask = torch.zeros(n_rows, width, dtype=torch.bool)
+        lpr = torch.zeros(n_rows, width)
+        ver = torch.full((n_rows, width), -1, dtype=torch.long)
+        if rows is not None:
+            ids[:r, :w], mask[:r, :w], lpr[:r, :w] = rows.ids.cpu(), rows.mask.cpu(), rows.logp_rollout.cpu()
+            if rows.versions is not None:
+                ver[:r, :w] = rows.versions.cpu()
+        return Rows(ids, mask, lpr, [*(rows.owner if rows else []), *[-1] * (n_rows - r)],
+                    list(rows.counts) if rows else [], ver, [*(rows.lengths if rows else []), *[width] * (n_rows - r)])
+
 
 def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str | None = None) -> Rows:
     """The trajectories' segments as right-padded rows (built on the host, then on `device` when given)."""
@@ -172,6 +191,13 @@ class SAOTrainer:
 
         self.backend = backend or TorchBackend()
         self.actor, self.cfg = actor, cfg or SAOConfig()
+        # ranks whose forward is one collective (Megatron's experts over the data-parallel ranks) run padded rows in
+        # lockstep, one padded forward per micro-batch (no per-row exact forwards: their shapes differ by rank)
+        self.lockstep = bool(getattr(self.backend, "lockstep", False))
+        self.exact_rows = self.cfg.exact_rows and not self.lockstep
+        if self.lockstep and self.cfg.replay_coef > 0:
+            raise ValueError("sao.replay_coef: the replay anchor is not available when the model's forward is a "
+                             "collective over the data-parallel ranks (trainer.megatron.ep > 1)")
         self.lcfg = LossConfig(kind=self.cfg.loss, eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
                                clip=self.cfg.clip, tis_cap=self.cfg.tis_cap)
         self.critic = None
@@ -224,7 +250,8 @@ class SAOTrainer:
         if self.cfg.loss == "grpo":
             a = grpo_advantages([t.reward for t in trajs], [t.env_id for t in trajs])
             for i, j in enumerate(rows.owner):
-                adv[i][mask[i]] = a[j]
+                if j >= 0:  # not a padding row
+                    adv[i][mask[i]] = a[j]
             return adv.to(dev), ret.to(dev)
         values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows]).float().cpu()
                             for i in range(0, len(rows.owner), self.cfg.micro_rows)])
@@ -288,6 +315,20 @@ class SAOTrainer:
         w = self.backend.world_size
         return trajs if w == 1 else trajs[self.backend.rank :: w]
 
+    def _rows(self, chunk: list[Trajectory]) -> Rows | None:
+        """This rank's rows of `chunk` (a batch every rank holds), on the actor's device; None if it has none. Where
+        the backend's forward is a collective over the data-parallel ranks (`backend.lockstep`: Megatron's experts
+        spread over them), every rank's rows are padded to the same count and width, so all ranks run the same
+        forwards on the same shapes (the added rows are masked out); a rank without trajectories runs padding."""
+        mine = self._share(chunk)
+        dev = model_device(self.actor)
+        if not self.lockstep:
+            return layout(mine, device=dev) if mine else None
+        w = self.backend.world_size
+        width = max(len(s.tokens) for t in chunk for s in t.segments if s.tokens)
+        n_rows = max(sum(1 for t in chunk[r::w] for s in t.segments if s.tokens) for r in range(w))
+        return Rows.padded(layout(mine) if mine else None, n_rows, width).to(dev)
+
     def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float) -> float:
         n = n_global / self.backend.world_size  # the gradient mean over ranks turns this into the batch mean
         self.copt.zero_grad(set_to_none=True)
@@ -320,8 +361,8 @@ class SAOTrainer:
         for i in range(0, len(trajs), size):
             chunk = trajs[i:i + size]
             mine = self._share(chunk)
-            rows = layout(mine, device=model_device(self.actor)) if mine else None
-            batches.append((rows, self.advantages(mine, rows)[1] if mine else None,
+            rows = self._rows(chunk)
+            batches.append((rows, self.advantages(mine, rows)[1] if rows is not None else None,
                             float(layout(chunk).mask.sum().clamp_min(1))))
         n = self.cfg.value_pretrain_steps if steps is None else steps
         self.pretrained_ids = {t.trajectory_id for t in trajs[:min(n, len(batches)) * size]}  # the ones it fitted
@@ -339,8 +380,8 @@ class SAOTrainer:
         self.actor.train()
         n_global = float(layout(kept).mask.sum().clamp_min(1)) if self.backend.world_size > 1 else None
         mine = self._share(kept)
-        rows = layout(mine, device=model_device(self.actor)) if mine else None
-        adv, ret = self.advantages(mine, rows) if mine else (None, None)
+        rows = self._rows(kept)
+        adv, ret = self.advantages(mine, rows) if rows is not None else (None, None)
         if n_global is None:
             n_global = float(rows.mask.sum().clamp_min(1))
         if self.critic is not None and self.cfg.critic_updates:
@@ -358,7 +399,7 @@ class SAOTrainer:
         if self.cfg.kl_coef > 0:
             with torch.no_grad():
                 lp_ref = {i: rows_logprobs(self.ref, rows.ids[i:i + self.cfg.micro_rows],
-                                           rows.lengths[i:i + self.cfg.micro_rows], self.cfg.exact_rows)[0]
+                                           rows.lengths[i:i + self.cfg.micro_rows], self.exact_rows)[0]
                           for i in micro}
         for epoch in range(self.cfg.epochs):  # PPO-style passes over the batch; the ratio and band keep them safe
             self.opt.zero_grad(set_to_none=True)
@@ -367,7 +408,7 @@ class SAOTrainer:
             mm = Mismatch()
             for i in micro:
                 sl = slice(i, i + self.cfg.micro_rows)
-                lp, ent = rows_logprobs(self.actor, rows.ids[sl], rows.lengths[sl], self.cfg.exact_rows)
+                lp, ent = rows_logprobs(self.actor, rows.ids[sl], rows.lengths[sl], self.exact_rows)
                 m = rows.mask[sl]
                 mm.add(lp, rows.logp_rollout[sl], m, None if rows.versions is None else rows.versions[sl],
                        current_version)

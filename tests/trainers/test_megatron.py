@@ -257,6 +257,36 @@ def test_grouped_experts_equal_megatron_s_sequential_mlp(megatron_rank, monkeypa
     assert torch.count_nonzero(got[1][1]) == 0 and torch.count_nonzero(got[2][1]) == 0  # the empty expert
 
 
+def test_sao_with_experts_split_over_the_data_parallel_ranks_takes_the_one_process_steps(tmp_path):
+    """EP = 2 over two data-parallel ranks: every MoE layer exchanges tokens between them, so the ranks must run the
+    same forwards on the same shapes although they hold 3 and 2 trajectories of other lengths (padded rows,
+    trainers/sao.py `_rows`). Two SAO steps (critic included) end where one process on the whole batch ends."""
+    import subprocess
+    import sys
+
+    from trainers.backends import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "megatron_sao_step.py")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path)], check=True, timeout=600,
+                   capture_output=True)
+    subprocess.run([sys.executable, script, str(tmp_path), "single"], check=True, timeout=600, capture_output=True)
+    one = torch.load(tmp_path / "single.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert one["updated"] and all(r["updated"] for r in ranks)
+    assert ranks[0]["tokens"] == one["tokens"] and ranks[0]["value_loss"] == pytest.approx(one["value_loss"], 1e-4)
+    for r in ranks:
+        assert all(torch.equal(r["before"][k], one["before"][k]) for k in one["before"])
+        # Adam moves a weight by about lr·g/(|g| + eps): one whose gradient is within rounding of zero can land
+        # anywhere in ±lr under another reduction order, so count the weights whose updates differ by over 1% of
+        # the largest update, instead of taking the largest difference (ranks that missed each other's tokens
+        # would differ almost everywhere)
+        moved = max(float((r["after"][k] - one["before"][k]).abs().max()) for k in one["before"])
+        off = sum(int(((r["after"][k] - one["after"][k]).abs() > moved / 100).sum()) for k in one["before"])
+        assert moved > 1e-4 and off / sum(v.numel() for v in one["before"].values()) < 1e-3, (moved, off)
+
+
 @pytest.fixture
 def megatron_rank():
     from trainers.megatron import parallel

@@ -69,6 +69,13 @@ class MegatronBackend(TrainBackend):
     def is_main(self) -> bool:
         return self.layout.rank == 0
 
+    @property
+    def lockstep(self) -> bool:
+        """True when a forward is a collective over the data-parallel ranks: the experts split over ep > 1 ranks
+        (each a data-parallel rank with its own rows) exchange tokens in every MoE layer, so every rank must run the
+        same forwards on the same shapes (the trainers pad their rows to match; trainers/sao.py)."""
+        return self.layout.ep > 1
+
     def close(self) -> None:
         parallel.destroy()
 
