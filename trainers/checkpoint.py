@@ -357,10 +357,11 @@ def restore(
             raise ValueError(f"{state.path}: checkpoint has no {name} state to restore")
         try:
             obj.load_state_dict(sd)
-        except ValueError as e:  # torch's "parameter group that doesn't match the size": other parameters than saved
-            raise ValueError(f"{state.path}: its {name} state does not fit this model's parameters ({e}). A model "
-                             "built another way since the save (trainer.kind, trainer.megatron.experts) cannot "
-                             f"resume it; start a new run from its policy ({state.policy_path})") from e
+        except (ValueError, KeyError) as e:  # torch's "parameter group that doesn't match the size", another format
+            raise ValueError(f"{state.path}: its {name} state does not fit this run's ({type(e).__name__}: {e}). A "
+                             "model or optimizer built another way since the save (trainer.kind, "
+                             "trainer.megatron.experts, trainer.megatron.distributed_optimizer) cannot resume it; "
+                             f"start a new run from its policy ({state.policy_path})") from e
     if rng:
         set_rng_state(state.rng)
     return state
@@ -379,8 +380,8 @@ def _own_part(state: TrainingState, backend) -> TrainingState:
         saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
         now = f"a sharded layout {here}" if here is not None else "an unsharded backend"
         raise ValueError(f"{state.path}: the training state was saved by {saved}; this run has {now}. Resume with "
-                         "the same trainer.world_size and trainer.megatron (tp, ep, etp, experts), or start a new run from "
-                         f"its whole policy ({state.policy_path})")
+                         "the same trainer.world_size and trainer.megatron (tp, ep, etp, experts, "
+                         f"distributed_optimizer), or start a new run from its whole policy ({state.policy_path})")
     import torch.distributed as dist
 
     rank = dist.get_rank()

@@ -16,6 +16,7 @@ pre-trained on returns before RL (`value_pretrain`). GRPO needs no critic (group
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,8 @@ from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by
 from .config import SAOConfig
 from .lm import model_device
 from .rl_losses import LossConfig, kl_penalty, policy_loss
+
+log = logging.getLogger(__name__)
 
 
 class Critic(nn.Module):
@@ -195,6 +198,8 @@ class SAOTrainer:
         # lockstep, one padded forward per micro-batch (no per-row exact forwards: their shapes differ by rank)
         self.lockstep = bool(getattr(self.backend, "lockstep", False))
         self.exact_rows = self.cfg.exact_rows and not self.lockstep
+        if self.cfg.exact_rows and self.lockstep:
+            log.info("sao.exact_rows: off on this backend (its ranks forward padded rows in lockstep)")
         if self.lockstep and self.cfg.replay_coef > 0:
             raise ValueError("sao.replay_coef: the replay anchor is not available when the model's forward is a "
                              "collective over the data-parallel ranks (trainer.megatron.ep > 1)")
@@ -242,13 +247,18 @@ class SAOTrainer:
 
     # ---- advantages -------------------------------------------------------------------------------
     @torch.no_grad()
-    def advantages(self, trajs: list[Trajectory], rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, trajs: list[Trajectory], rows: Rows, batch: list[Trajectory] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token advantages and returns of `trajs` (this rank's share of `batch`, the whole step's batch every
+        rank holds) on `rows`. GRPO normalises each group over the whole batch: a rank's share holds fragments."""
         # computed on the host (a per-trajectory scan) and handed back on the rows' device
         dev, mask = rows.ids.device, rows.mask.cpu()
         adv = torch.zeros(mask.shape, dtype=torch.float32)
         ret = torch.zeros(mask.shape, dtype=torch.float32)
         if self.cfg.loss == "grpo":
-            a = grpo_advantages([t.reward for t in trajs], [t.env_id for t in trajs])
+            batch = trajs if batch is None else batch
+            whole = grpo_advantages([t.reward for t in batch], [t.env_id for t in batch])
+            a = whole if batch is trajs else self._share(whole)
             for i, j in enumerate(rows.owner):
                 if j >= 0:  # not a padding row
                     adv[i][mask[i]] = a[j]
@@ -381,7 +391,7 @@ class SAOTrainer:
         n_global = float(layout(kept).mask.sum().clamp_min(1)) if self.backend.world_size > 1 else None
         mine = self._share(kept)
         rows = self._rows(kept)
-        adv, ret = self.advantages(mine, rows) if rows is not None else (None, None)
+        adv, ret = self.advantages(mine, rows, kept) if rows is not None else (None, None)
         if n_global is None:
             n_global = float(rows.mask.sum().clamp_min(1))
         if self.critic is not None and self.cfg.critic_updates:

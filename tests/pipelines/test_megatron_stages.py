@@ -90,9 +90,7 @@ def test_sharded_megatron_stages_run_under_torchrun_and_resume(tmp_path):
 
     over = ["loop.steps=1", "sao.value_pretrain_steps=1", "loop.warm_rollouts=train", "sao.lr=1e-3",
             "sao.warmup_steps=0", "opd.untaught=none", "opd.gate_teachers=false"]
-    # with the distributed optimizer on (at TP = 2 its data-parallel groups are single ranks: whole AdamW parts,
-    # through the sharded optimizer's state in the rank files)
-    sharded = ["trainer.world_size=2", "trainer.megatron.tp=2", "trainer.megatron.distributed_optimizer=true"]
+    sharded = ["trainer.world_size=2", "trainer.megatron.tp=2"]
     envs, store, ro = stored_rollouts(_cfg("torch"), tmp_path, iteration=2)
     scored = stages.rewards(store, 2, ro["trajectory_ids"])
     dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])

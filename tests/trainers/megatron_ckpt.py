@@ -101,7 +101,22 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
             state_numel = (state_numel[0], sum(t.numel() for st in opt3.state.values() for t in st.values()
                                                if torch.is_tensor(t) and t.dim() > 0))
             be.distributed_optimizer = True
-        torch.save({"continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
+        bf16 = None
+        if zero:  # a bf16 model keeps its routers and the indexer's head weights in fp32: one sharded part per dtype
+            be.dtype = torch.bfloat16
+            torch.manual_seed(0)
+            mb = be.wrap(Transformer(cfg))
+            ob = be.optimizer(mb.parameters(), lr=1e-2, weight_decay=0.0)
+            rows = batch_a[be.rank :: be.world_size]
+            loss, _, _ = step_loss(mb, rows, batch_a.shape[0] * (batch_a.shape[1] - 1))
+            loss.backward()
+            be.all_reduce_grads(mb)
+            ob.step()
+            dense = {k: v.float() for k, v in megatron_state(mb).items() if ".mlp.experts." not in k}
+            bf16 = {"parts": sorted((type(o).__name__, str(next(iter(o.param_groups[0]["params"])).dtype))
+                                    for o in ob.parts), "dense": dense}
+            be.dtype = torch.float32
+        torch.save({"bf16": bf16, "continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
                     "draws": (draw_continued, draw_resumed),
                     "refused": refused, "refused_experts": refused_experts,
                     "after_a": after_a if be.is_main else None, "layout": be.state_layout(),

@@ -257,10 +257,12 @@ def test_grouped_experts_equal_megatron_s_sequential_mlp(megatron_rank, monkeypa
     assert torch.count_nonzero(got[1][1]) == 0 and torch.count_nonzero(got[2][1]) == 0  # the empty expert
 
 
-def test_sao_with_experts_split_over_the_data_parallel_ranks_takes_the_one_process_steps(tmp_path):
+@pytest.mark.parametrize("layout,pick", [("ep2", "0:5"), ("dp2", "1:2")])
+def test_sao_on_data_parallel_megatron_ranks_takes_the_one_process_steps(tmp_path, layout, pick):
     """EP = 2 over two data-parallel ranks: every MoE layer exchanges tokens between them, so the ranks must run the
     same forwards on the same shapes although they hold 3 and 2 trajectories of other lengths (padded rows,
-    trainers/sao.py `_rows`). Two SAO steps (critic included) end where one process on the whole batch ends."""
+    trainers/sao.py `_rows`). DP = 2 with one trajectory (reward 1): the rank without any still backpropagates, so the gradient
+    sums over the ranks match up. Two SAO steps (critic included) end where one process on the whole batch ends."""
     import subprocess
     import sys
 
@@ -269,9 +271,10 @@ def test_sao_with_experts_split_over_the_data_parallel_ranks_takes_the_one_proce
     here = os.path.dirname(os.path.abspath(__file__))
     script = os.path.join(here, "megatron_sao_step.py")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                    "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path)], check=True, timeout=600,
+                    "127.0.0.1", "--master_port", str(free_port()), script, str(tmp_path), layout, pick],
+                   check=True, timeout=600, capture_output=True)
+    subprocess.run([sys.executable, script, str(tmp_path), "single", pick], check=True, timeout=600,
                    capture_output=True)
-    subprocess.run([sys.executable, script, str(tmp_path), "single"], check=True, timeout=600, capture_output=True)
     one = torch.load(tmp_path / "single.pt", weights_only=False)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert one["updated"] and all(r["updated"] for r in ranks)

@@ -389,3 +389,23 @@ def test_replay_anchor_holds_the_replayed_inputs_while_the_batch_moves():
         moved[beta] = _replay_kl(actor, base, trajs)[0]
     assert drift[20.0] < 0.5 * drift[0.0], drift
     assert moved[20.0] > 0.2 * moved[0.0], moved
+
+
+def test_grpo_normalises_each_group_over_the_whole_batch_on_every_rank():
+    """Rank 1 of 2 holds trajectories 1 and 3 of a batch of two groups (x, x, y, y), one member of each: each of its
+    advantages is its reward against its whole group's (here: ±1 by hand, a 0/1 pair per group), not against the
+    fragment the rank holds (a one-member fragment would normalise to 0)."""
+    def traj(j, env, reward):
+        return Trajectory(f"t{j}", env, "f", "math", "h", "v", 0,
+                          [Segment(list(range(1, 13)), [False] * 4 + [True] * 8, [-1.0] * 12, [0] * 12)], reward)
+
+    batch = [traj(0, "x", 1.0), traj(1, "x", 0.0), traj(2, "y", 0.0), traj(3, "y", 1.0)]
+    torch.manual_seed(0)
+    sao = SAOTrainer(Transformer(configs.load("micro").model), SAOConfig(loss="grpo"))
+    sao.backend.rank, sao.backend.world_size = 1, 2
+    mine = sao._share(batch)
+    assert [t.trajectory_id for t in mine] == ["t1", "t3"]
+    rows = layout(mine)
+    adv, _ = sao.advantages(mine, rows, batch)
+    got = [float(adv[i][rows.mask[i]].unique()) for i in range(2)]
+    assert got[0] < -0.9 and got[1] > 0.9 and got[0] == pytest.approx(-got[1])

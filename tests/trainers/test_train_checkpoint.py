@@ -201,7 +201,7 @@ def test_a_sharded_state_is_refused_on_another_megatron_layout_and_legacy_layout
             return self.layout
 
     state = TrainingState(path=tmp_path, step=1, policy_version=1, data_cursor=None, ranks=2, layout=legacy)
-    with pytest.raises(ValueError, match=r"saved by 2 ranks .*\(tp, ep, etp, experts\)"):
+    with pytest.raises(ValueError, match=r"saved by 2 ranks .*\(tp, ep, etp, experts, distributed_optimizer\)"):
         _own_part(state, Backend("grouped"))
     with pytest.raises((RuntimeError, ValueError)) as e:
         _own_part(state, Backend("sequential"))

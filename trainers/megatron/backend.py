@@ -71,10 +71,11 @@ class MegatronBackend(TrainBackend):
 
     @property
     def lockstep(self) -> bool:
-        """True when a forward is a collective over the data-parallel ranks: the experts split over ep > 1 ranks
-        (each a data-parallel rank with its own rows) exchange tokens in every MoE layer, so every rank must run the
-        same forwards on the same shapes (the trainers pad their rows to match; trainers/sao.py)."""
-        return self.layout.ep > 1
+        """True when the data-parallel ranks must run the same forwards and backwards: the experts split over ep > 1
+        ranks (each a data-parallel rank with its own rows) exchange tokens in every MoE layer, and with several
+        data-parallel ranks `finish_backward` sums every gradient over them, so a rank without rows must still
+        backpropagate (the trainers pad their rows to match; trainers/sao.py)."""
+        return self.layout.ep > 1 or self.layout.dp > 1
 
     def close(self) -> None:
         parallel.destroy()
@@ -93,14 +94,14 @@ class MegatronBackend(TrainBackend):
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
         """AdamW; with `distributed_optimizer`, `ShardedAdamW`: dense moments split over the data-parallel group,
         the routed experts' over the expert-data-parallel group (trainers/megatron/optimizer.py)."""
-        if not self.distributed_optimizer:
-            return super().optimizer(params, **adamw)
         from megatron.core import parallel_state as ps
 
+        dense_g, expert_g = ps.get_data_parallel_group(), ps.get_expert_data_parallel_group()
+        if not self.distributed_optimizer or max(dist.get_world_size(dense_g), dist.get_world_size(expert_g)) == 1:
+            return super().optimizer(params, **adamw)  # nothing to split: one rank holds each parameter
         from .optimizer import ShardedAdamW
 
-        return ShardedAdamW(params, dense_group=ps.get_data_parallel_group(),
-                            expert_group=ps.get_expert_data_parallel_group(), **adamw)
+        return ShardedAdamW(params, dense_group=dense_g, expert_group=expert_g, **adamw)
 
     # ---- the model ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:

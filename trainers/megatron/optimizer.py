@@ -10,8 +10,9 @@ by broadcasting every updated parameter from its owner. The groups are the ones 
 
 A group of one rank keeps a plain AdamW. The gradients are complete before `step` (the backend's
 `all_reduce_grads` and model-wide clip run first), so the update is the unsharded one; the parameters each rank holds
-are the same as without sharding, up to the broadcast's copy. Adam's moments per rank fall by the group's size
-(`local_state_numel`).
+are the same as without sharding, up to the broadcast's copy. The moments are in the parameters' dtype (no fp32
+master copy, as the trainers' AdamW everywhere), and the partition is by whole tensors, so a rank's share of the
+moments is about 1 / (group size) (`local_state_numel`), exactly that only for many similar tensors.
 
 Checkpoints: `state_dict()` is this rank's part only (its local optimizers' states), which is what the sharded
 training state's rank files hold (trainers/checkpoint.py); `load_state_dict` takes the same rank's part back.
@@ -32,9 +33,12 @@ class ShardedAdamW:
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]  # AdamW's two forms
         self.parts: list[torch.optim.Optimizer] = []
-        for want, group in ((False, dense_group), (True, expert_group)):
-            mine = [{**g, "params": [p for p in g["params"] if getattr(p, "routed_expert", False) == want]}
-                    for g in groups]
+        dtypes = sorted({p.dtype for g in groups for p in g["params"]}, key=str)
+        # one part per (group, dtype): ZeroRedundancyOptimizer takes one dtype, and a bf16 model keeps its routers and
+        # the indexer's head weights in fp32 (backend.cast_like_temper)
+        for (want, group), dt in ((wg, dt) for wg in ((False, dense_group), (True, expert_group)) for dt in dtypes):
+            mine = [{**g, "params": [p for p in g["params"]
+                                     if getattr(p, "routed_expert", False) == want and p.dtype == dt]} for g in groups]
             mine = [g for g in mine if g["params"]]
             if not mine:
                 continue
@@ -69,7 +73,7 @@ class ShardedAdamW:
         parts = state.get("sharded_adamw") if isinstance(state, dict) else None
         if parts is None or len(parts) != len(self.parts):
             raise ValueError("ShardedAdamW: the state is not a sharded optimizer's of this layout (resume with the same "
-                             "trainer.megatron.distributed_optimizer)")
+                             "trainer.megatron.distributed_optimizer, trainer.megatron.dtype and layout)")
         for o, sd in zip(self.parts, parts, strict=True):
             self._local(o).load_state_dict(sd)
             if isinstance(o, ZeroRedundancyOptimizer):  # the exposed groups follow the restored local ones
