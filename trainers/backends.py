@@ -118,7 +118,7 @@ class TrainBackend(ABC):
         keys = sorted({k for g in got for k in g})
         return {k: sum(float(g.get(k, 0.0)) for g in got) / self.world_size for k in keys}
 
-    lockstep = False  # True where a forward is a collective over the data-parallel ranks (MegatronBackend.lockstep)
+    lockstep = False  # True where the data-parallel ranks must run the same forwards and backwards (MegatronBackend)
 
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
         """The trainers' AdamW over `params` (tensors or param groups). The Megatron backend with

@@ -95,31 +95,16 @@ class Rows:
         return Rows(self.ids.to(device), self.mask.to(device), self.logp_rollout.to(device), self.owner,
                     self.counts, None if self.versions is None else self.versions.to(device), self.lengths)
 
-    @staticmethod
-    def padded(rows: Rows | None, n_rows: int, width: int, pad_id: int = 0) -> Rows:
-        """`rows` (or none) grown to `n_rows` rows of `width` tokens: the added rows are padding, masked out, owned
-        by no trajectory (-1)."""
-        r = 0 if rows is None else rows.ids.shape[0]
-        w = 0 if rows is None else rows.ids.shape[1]
-        if r > n_rows or w > width:
-            raise ValueError(f"Rows.padded: {r} rows of {w} tokens do not fit {n_rows} × {width}")
-        ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
-        mask = torch.zeros(n_rows, width, dtype=torch.bool)
-        lpr = torch.zeros(n_rows, width)
-        ver = torch.full((n_rows, width), -1, dtype=torch.long)
-        if rows is not None:
-            ids[:r, :w], mask[:r, :w], lpr[:r, :w] = rows.ids.cpu(), rows.mask.cpu(), rows.logp_rollout.cpu()
-            if rows.versions is not None:
-                ver[:r, :w] = rows.versions.cpu()
-        return Rows(ids, mask, lpr, [*(rows.owner if rows else []), *[-1] * (n_rows - r)],
-                    list(rows.counts) if rows else [], ver, [*(rows.lengths if rows else []), *[width] * (n_rows - r)])
 
-
-def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str | None = None) -> Rows:
-    """The trajectories' segments as right-padded rows (built on the host, then on `device` when given)."""
+def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str | None = None,
+           shape: tuple[int, int] | None = None) -> Rows:
+    """The trajectories' segments as right-padded rows (built on the host, then on `device` when given). `shape`:
+    (rows, width) to pad to, with rows of padding (masked out, owned by no trajectory: -1) after the segments'."""
     segs = [(j, s) for j, t in enumerate(trajs) for s in t.segments if s.tokens]
-    width = max(len(s.tokens) for _, s in segs)
-    r = len(segs)
+    need = (len(segs), max((len(s.tokens) for _, s in segs), default=0))
+    r, width = shape or need
+    if need[0] > r or need[1] > width:
+        raise ValueError(f"layout: {need[0]} rows of up to {need[1]} tokens do not fit {r} × {width}")
     ids = torch.full((r, width), pad_id, dtype=torch.long)
     mask = torch.zeros(r, width, dtype=torch.bool)
     lpr = torch.zeros(r, width)
@@ -132,7 +117,9 @@ def layout(trajs: list[Trajectory], pad_id: int = 0, device: torch.device | str 
         ver[i, :n] = torch.tensor(s.versions)
     mask[:, 0] = False
     counts = [[int(sum(s.loss_mask)) for s in t.segments if s.tokens] for t in trajs]
-    rows = Rows(ids, mask, lpr, [j for j, _ in segs], counts, ver, [len(s.tokens) for _, s in segs])
+    pad = r - len(segs)
+    rows = Rows(ids, mask, lpr, [j for j, _ in segs] + [-1] * pad, counts, ver,
+                [len(s.tokens) for _, s in segs] + [width] * pad)
     return rows if device is None else rows.to(device)
 
 
@@ -194,15 +181,15 @@ class SAOTrainer:
 
         self.backend = backend or TorchBackend()
         self.actor, self.cfg = actor, cfg or SAOConfig()
-        # ranks whose forward is one collective (Megatron's experts over the data-parallel ranks) run padded rows in
-        # lockstep, one padded forward per micro-batch (no per-row exact forwards: their shapes differ by rank)
+        # ranks that must run the same forwards and backwards (MegatronBackend.lockstep) run padded rows in lockstep,
+        # one padded forward per micro-batch (no per-row exact forwards: their shapes differ by rank)
         self.lockstep = bool(getattr(self.backend, "lockstep", False))
         self.exact_rows = self.cfg.exact_rows and not self.lockstep
         if self.cfg.exact_rows and self.lockstep:
             log.info("sao.exact_rows: off on this backend (its ranks forward padded rows in lockstep)")
         if self.lockstep and self.cfg.replay_coef > 0:
-            raise ValueError("sao.replay_coef: the replay anchor is not available when the model's forward is a "
-                             "collective over the data-parallel ranks (trainer.megatron.ep > 1)")
+            raise ValueError("sao.replay_coef: the replay anchor is not available where the data-parallel ranks run "
+                             "in lockstep (trainer.kind=megatron with more than one data-parallel or expert rank)")
         self.lcfg = LossConfig(kind=self.cfg.loss, eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
                                clip=self.cfg.clip, tis_cap=self.cfg.tis_cap)
         self.critic = None
@@ -327,9 +314,9 @@ class SAOTrainer:
 
     def _rows(self, chunk: list[Trajectory]) -> Rows | None:
         """This rank's rows of `chunk` (a batch every rank holds), on the actor's device; None if it has none. Where
-        the backend's forward is a collective over the data-parallel ranks (`backend.lockstep`: Megatron's experts
-        spread over them), every rank's rows are padded to the same count and width, so all ranks run the same
-        forwards on the same shapes (the added rows are masked out); a rank without trajectories runs padding."""
+        the ranks run in lockstep (`backend.lockstep`), every rank's rows are padded to the same count and width, so
+        all run the same forwards and backwards on the same shapes (the added rows are masked out); a rank without
+        trajectories runs padding."""
         mine = self._share(chunk)
         dev = model_device(self.actor)
         if not self.lockstep:
@@ -337,7 +324,7 @@ class SAOTrainer:
         w = self.backend.world_size
         width = max(len(s.tokens) for t in chunk for s in t.segments if s.tokens)
         n_rows = max(sum(1 for t in chunk[r::w] for s in t.segments if s.tokens) for r in range(w))
-        return Rows.padded(layout(mine) if mine else None, n_rows, width).to(dev)
+        return layout(mine, device=dev, shape=(n_rows, width))
 
     def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float) -> float:
         n = n_global / self.backend.world_size  # the gradient mean over ranks turns this into the batch mean

@@ -107,14 +107,19 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
             torch.manual_seed(0)
             mb = be.wrap(Transformer(cfg))
             ob = be.optimizer(mb.parameters(), lr=1e-2, weight_decay=0.0)
+            start = {k: v.float().clone() for k, v in megatron_state(mb).items() if ".mlp.experts." not in k}
             rows = batch_a[be.rank :: be.world_size]
             loss, _, _ = step_loss(mb, rows, batch_a.shape[0] * (batch_a.shape[1] - 1))
             loss.backward()
             be.all_reduce_grads(mb)
             ob.step()
             dense = {k: v.float() for k, v in megatron_state(mb).items() if ".mlp.experts." not in k}
+            moved: dict[str, bool] = {}  # per dtype of the dense weights: did any of them change
+            for k, w in megatron_state(mb).items():
+                if k in start:
+                    moved[str(w.dtype)] = moved.get(str(w.dtype), False) or not torch.equal(dense[k], start[k])
             bf16 = {"parts": sorted((type(o).__name__, str(next(iter(o.param_groups[0]["params"])).dtype))
-                                    for o in ob.parts), "dense": dense}
+                                    for o in ob.parts), "dense": dense, "moved": moved}
             be.dtype = torch.float32
         torch.save({"bf16": bf16, "continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
                     "draws": (draw_continued, draw_resumed),

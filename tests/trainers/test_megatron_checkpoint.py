@@ -51,6 +51,7 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep, zer
         # experts whole on each rank; after a step the dense weights are the same on both ranks
         assert ranks[0]["bf16"]["parts"] == [("AdamW", "torch.bfloat16"), ("ZeroRedundancyOptimizer", "torch.bfloat16"),
                                              ("ZeroRedundancyOptimizer", "torch.float32")], ranks[0]["bf16"]["parts"]
+        assert ranks[0]["bf16"]["moved"] == {"torch.bfloat16": True, "torch.float32": True}  # both parts stepped
         d0, d1 = ranks[0]["bf16"]["dense"], ranks[1]["bf16"]["dense"]
         assert d0.keys() == d1.keys() and all(torch.equal(d0[k], d1[k]) for k in d0)
         (mine0, whole), (mine1, _) = (r["state_numel"] for r in ranks)

@@ -409,3 +409,22 @@ def test_grpo_normalises_each_group_over_the_whole_batch_on_every_rank():
     adv, _ = sao.advantages(mine, rows, batch)
     got = [float(adv[i][rows.mask[i]].unique()) for i in range(2)]
     assert got[0] < -0.9 and got[1] > 0.9 and got[0] == pytest.approx(-got[1])
+
+
+def test_layout_pads_to_a_given_shape_with_rows_owned_by_no_trajectory():
+    """Lockstep ranks (SAOTrainer._rows) lay their share out at the batch's shape: the segments' rows as without a
+    shape, then rows of padding (pad ids, masked out, owner -1); a shape too small is an error."""
+    def traj(j, n):
+        return Trajectory(f"t{j}", "e", "f", "math", "h", "v", 0,
+                          [Segment(list(range(1, n + 1)), [False] * 2 + [True] * (n - 2), [-1.0] * n, [0] * n)], 1.0)
+
+    mine = [traj(0, 6), traj(1, 9)]
+    plain, padded = layout(mine), layout(mine, shape=(4, 12))
+    assert padded.ids.shape == (4, 12) and padded.owner == [0, 1, -1, -1] and padded.lengths == [6, 9, 12, 12]
+    assert torch.equal(padded.ids[:2, :9], plain.ids) and torch.equal(padded.mask[:2, :9], plain.mask)
+    assert not padded.mask[:, 9:].any() and not padded.mask[2:].any() and (padded.ids[2:] == 0).all()
+    assert padded.counts == plain.counts == [[4], [7]]
+    empty = layout([], shape=(2, 5))
+    assert empty.owner == [-1, -1] and not empty.mask.any()
+    with pytest.raises(ValueError, match="2 rows of up to 9 tokens do not fit 1 × 12"):
+        layout(mine, shape=(1, 12))

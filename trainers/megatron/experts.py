@@ -19,8 +19,6 @@ reduces the partial outputs.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,10 +37,13 @@ class GroupedExperts(nn.Module):
         if not config.gated_linear_unit or config.activation_func is not F.silu:
             raise ValueError("GroupedExperts: the experts are SwiGLU (gated_linear_unit, activation_func=silu)")
         unsupported = [k for k in ("moe_apply_probs_on_input", "fp8", "fp4", "activation_func_clamp_value",
-                                   "moe_latent_size") if getattr(config, k, None)]
+                                   "moe_latent_size", "delay_wgrad_compute") if getattr(config, k, None)]
         unsupported += ["glu_linear_offset"] if getattr(config, "glu_linear_offset", 0.0) else []
         if unsupported:
             raise ValueError(f"GroupedExperts: {', '.join(unsupported)} not supported (use experts=sequential)")
+        if config.perform_initialization:
+            raise ValueError("GroupedExperts: its weights are loaded, not drawn (perform_initialization=False; "
+                             "MegatronBackend.wrap loads temper's weights into every shard)")
         self.num_local_experts = num_local_experts
         etp = pg_collection.expt_tp.size() if pg_collection is not None else config.expert_tensor_parallel_size
         if config.moe_ffn_hidden_size % etp:
@@ -51,14 +52,6 @@ class GroupedExperts(nn.Module):
         dev = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, 2 * i, h, dtype=config.params_dtype, device=dev))
         self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, h, i, dtype=config.params_dtype, device=dev))
-        if config.perform_initialization:  # temper's backend loads every weight; this is for a model built bare
-            std = config.init_method_std
-            with torch.no_grad():  # each rank's experts draw from its own stream (Megatron's expert-parallel RNG)
-                g = torch.Generator(device=self.fc1_weight.device).manual_seed(
-                    torch.initial_seed() + 7919 * (1 + (pg_collection.expt_tp.rank() if pg_collection else 0))
-                    + 104729 * (pg_collection.ep.rank() if pg_collection else 0))
-                self.fc1_weight.normal_(0.0, std, generator=g)
-                self.fc2_weight.normal_(0.0, std / math.sqrt(2.0 * config.num_layers), generator=g)  # scaled init
         for p in (self.fc1_weight, self.fc2_weight):  # what Megatron's expert parameters carry
             p.allreduce = config.expert_model_parallel_size == 1
             p.tensor_model_parallel = etp > 1
@@ -76,9 +69,6 @@ class GroupedExperts(nn.Module):
         act = F.silu(g) * u
         act = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)  # the routing weight before fc2, as Megatron's MLP
         return grouped_linear(act, self.fc2_weight, ends), None
-
-    def backward_dw(self) -> None:  # Megatron's delayed weight-gradient hook: this module computes dW in backward
-        pass
 
     def extra_repr(self) -> str:
         e, i2, h = self.fc1_weight.shape

@@ -20,6 +20,8 @@ training state's rank files hold (trainers/checkpoint.py); `load_state_dict` tak
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -36,7 +38,7 @@ class ShardedAdamW:
         dtypes = sorted({p.dtype for g in groups for p in g["params"]}, key=str)
         # one part per (group, dtype): ZeroRedundancyOptimizer takes one dtype, and a bf16 model keeps its routers and
         # the indexer's head weights in fp32 (backend.cast_like_temper)
-        for (want, group), dt in ((wg, dt) for wg in ((False, dense_group), (True, expert_group)) for dt in dtypes):
+        for (want, group), dt in itertools.product(((False, dense_group), (True, expert_group)), dtypes):
             mine = [{**g, "params": [p for p in g["params"]
                                      if getattr(p, "routed_expert", False) == want and p.dtype == dt]} for g in groups]
             mine = [g for g in mine if g["params"]]
