@@ -7,7 +7,8 @@ both), saves the sharded training state, takes step B: the continued run. Then a
 with fresh optimizers, restores the state and takes step B: the resumed run. Each rank writes its shard's weights,
 both critics and the RNG draws of both runs to OUT/rank{R}.pt, and whether restoring on an unsharded backend, or on
 the same ranks with Megatron's SequentialMLP experts in place of the grouped ones, was refused with the keys named.
-With `zero` the optimizers are the backend's distributed one (Adam's moments split over the data-parallel ranks), and
+With `zero` the optimizers are the backend's distributed one (fp32 main weights and Adam's moments split over the
+data-parallel ranks), and
 the same two steps are taken again with a whole AdamW on every rank, for comparison.
 """
 
@@ -102,7 +103,7 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
                                                if torch.is_tensor(t) and t.dim() > 0))
             be.distributed_optimizer = True
         bf16 = None
-        if zero:  # a bf16 model keeps its routers and the indexer's head weights in fp32: one sharded part per dtype
+        if zero:  # a bf16 model keeps its routers and the indexer's head weights in fp32: a bucket per dtype
             be.dtype = torch.bfloat16
             torch.manual_seed(0)
             mb = be.wrap(Transformer(cfg))
@@ -118,8 +119,8 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
             for k, w in megatron_state(mb).items():
                 if k in start:
                     moved[str(w.dtype)] = moved.get(str(w.dtype), False) or not torch.equal(dense[k], start[k])
-            bf16 = {"parts": sorted((type(o).__name__, str(next(iter(o.param_groups[0]["params"])).dtype))
-                                    for o in ob.parts), "dense": dense, "moved": moved}
+            bf16 = {"buckets": sorted((b.world, str(b.params[0].dtype)) for bs in ob.buckets for b in bs),
+                    "dense": dense, "moved": moved}
             be.dtype = torch.float32
         torch.save({"bf16": bf16, "continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
                     "draws": (draw_continued, draw_resumed),

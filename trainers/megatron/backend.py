@@ -58,7 +58,7 @@ class MegatronBackend(TrainBackend):
                  experts: str = "grouped", distributed_optimizer: bool = False):
         self.layout = parallel.initialize(tp, pp, ep, etp, backend=dist_backend, timeout_s=timeout_s)
         self.experts = experts  # the routed experts' module: "grouped" (temper's GroupedExperts) or "sequential"
-        self.distributed_optimizer = distributed_optimizer  # Adam's moments split over the data-parallel ranks
+        self.distributed_optimizer = distributed_optimizer  # main weights and Adam's moments split over dp ranks
         self.rank, self.world_size = self.layout.dp_rank, self.layout.dp
         self.sharded_state = self.layout.world_size > 1  # each rank saves its shard's optimizer (and critic) state
         self.dtype = dtype
@@ -92,16 +92,18 @@ class MegatronBackend(TrainBackend):
         return ps.get_data_parallel_group()
 
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
-        """AdamW; with `distributed_optimizer`, `ShardedAdamW`: dense moments split over the data-parallel group,
-        the routed experts' over the expert-data-parallel group (trainers/megatron/optimizer.py)."""
+        """AdamW. With `distributed_optimizer`, `ShardedAdamW`: fp32 main weights and Adam's moments split over the
+        data-parallel group (dense) and the expert-data-parallel group (routed experts). In bf16 without it, the same
+        fp32 main weights kept whole on every rank, as Megatron's mixed-precision optimizer keeps them
+        (trainers/megatron/optimizer.py)."""
         from megatron.core import parallel_state as ps
 
-        dense_g, expert_g = ps.get_data_parallel_group(), ps.get_expert_data_parallel_group()
-        if not self.distributed_optimizer or max(dist.get_world_size(dense_g), dist.get_world_size(expert_g)) == 1:
-            return super().optimizer(params, **adamw)  # nothing to split: one rank holds each parameter
+        if not self.distributed_optimizer and self.dtype == torch.float32:
+            return super().optimizer(params, **adamw)
         from .optimizer import ShardedAdamW
 
-        return ShardedAdamW(params, dense_group=dense_g, expert_group=expert_g, **adamw)
+        return ShardedAdamW(params, dense_group=ps.get_data_parallel_group(),
+                            expert_group=ps.get_expert_data_parallel_group(), shard=self.distributed_optimizer, **adamw)
 
     # ---- the model ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -1,87 +1,222 @@
-"""`ShardedAdamW`: AdamW with its moments split over the data-parallel ranks (ZeRO stage 1), for
-`trainer.megatron.distributed_optimizer`.
+"""`ShardedAdamW`: Megatron's distributed optimizer, on temper's terms. AdamW over fp32 main weights, the main weights
+and Adam's moments split element-exactly over the ranks that hold a parameter identically (ZeRO stage 1).
 
-What Megatron's distributed optimizer does for memory, on torch's `ZeroRedundancyOptimizer`: each parameter's Adam
-moments live on one rank of the group that holds that parameter identically, that rank updates it, and the step ends
-by broadcasting every updated parameter from its owner. The groups are the ones gradients are summed over:
+Where the Megatron backend uses it (`MegatronBackend.optimizer`):
 
-* dense weights (and each rank's tensor-parallel shard of them) over the data-parallel group;
-* routed experts over the expert-data-parallel group (the ranks holding the same expert shard).
+* `trainer.megatron.distributed_optimizer: true`: sharded over the groups gradients are summed over, dense weights
+  (and each rank's tensor-parallel shard of them) over the data-parallel group, routed experts over the
+  expert-data-parallel group (the ranks holding the same expert shard);
+* `trainer.megatron.dtype: bfloat16` without it: the same fp32 main weights, unsharded (`shard=False`), as Megatron's
+  mixed-precision optimizer keeps them. Adam's update of a bf16 weight is often smaller than half its last bit; a
+  bf16 AdamW rounds it away every step, the main weight accumulates it.
 
-A group of one rank keeps a plain AdamW. The gradients are complete before `step` (the backend's
-`all_reduce_grads` and model-wide clip run first), so the update is the unsharded one; the parameters each rank holds
-are the same as without sharding, up to the broadcast's copy. The moments are in the parameters' dtype (no fp32
-master copy, as the trainers' AdamW everywhere), and the partition is by whole tensors, so a rank's share of the
-moments is about 1 / (group size) (`local_state_numel`), exactly that only for many similar tensors.
+How, per bucket (one per param group × rank group × parameter dtype): the bucket's parameters laid end to end form a
+flat vector of N elements, cut into W equal ranges of ceil(N / W) (W: the group's size). Rank r owns range r: for each
+piece of a parameter inside it (a *segment*) it keeps an fp32 main copy and that copy's Adam moments, in a torch AdamW
+whose parameters are the segments. `step` hands each segment the matching slice of the gradient (cast to fp32; a
+parameter without a gradient is skipped, as AdamW skips it), steps, casts the main weights to the parameter dtype and
+all-gathers the ranges into the parameters. The gradients are complete before `step` (the backend's
+`all_reduce_grads` and model-wide clip run first), so in fp32 the update is the whole AdamW's, bit for bit: every
+AdamW operation is elementwise, and a segment is a slice.
 
-Checkpoints: `state_dict()` is this rank's part only (its local optimizers' states), which is what the sharded
-training state's rank files hold (trainers/checkpoint.py); `load_state_dict` takes the same rank's part back.
+A rank holds 3·ceil(N / W) fp32 elements of optimizer state per bucket (main weight and two moments), the scale
+plan's 12 bytes per parameter over the data-parallel ranks (trainers/megatron/plan.py). Weights and gradients are not
+sharded, and the gradients are all-reduced, not reduce-scattered: stage 1, not 2.
+
+The main weights follow the model where the model's weights change from outside (a checkpoint or `load_hf` into the
+model after the optimizer was built): before each update a segment whose parameter no longer equals its main copy's
+cast takes the parameter's value.
+
+Checkpoints: `state_dict()` is this rank's part (its segments' main weights and AdamW state), what the sharded
+training state's rank files hold (trainers/checkpoint.py); `load_state_dict` takes the same rank's part back and
+refuses another layout's.
 """
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+_FORMAT = "temper-sharded-adamw-2"
+_HYPER = ("lr", "betas", "eps", "weight_decay")  # per param group, copied to the inner AdamW at each step
+
+
+@dataclass
+class _Segment:
+    param: torch.Tensor  # the model's parameter
+    lo: int  # the piece [lo, hi) of the parameter's flat elements this rank owns
+    hi: int
+    start: int  # where the piece begins in the bucket's flat vector
+    main: torch.Tensor  # its fp32 main copy (a leaf: the inner AdamW's parameter)
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    offsets: list[int]  # each parameter's first element in the bucket's flat vector
+    numel: int
+    shard: int  # ceil(numel / world): the length of every rank's range
+    group: object  # the process group (None: not sharded)
+    world: int
+    rank: int
+    segments: list[_Segment]
+
+
+def _group_size(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    fn(out, mine, group=group)
 
 
 class ShardedAdamW:
-    """See the module docstring. `params`: the parameters to train; a parameter marked `routed_expert` (MegatronGLM
-    marks its routed experts) goes to the expert group's optimizer, every other one to the dense group's."""
+    """See the module docstring. `params`: parameters or AdamW param groups. A parameter marked `routed_expert`
+    (MegatronGLM marks its routed experts) is sharded over `expert_group`, every other one over `dense_group`;
+    `shard=False` (or groups of one rank) keeps every rank's main weights whole. `adamw`: AdamW's defaults (lr, betas,
+    eps, weight_decay); `amsgrad`, `maximize` and the rest are refused."""
 
-    def __init__(self, params, *, dense_group, expert_group, **adamw):
+    def __init__(self, params, *, dense_group=None, expert_group=None, shard: bool = True, **adamw):
+        extra = set(adamw) - set(_HYPER)
+        if extra:
+            raise ValueError(f"ShardedAdamW: AdamW options {sorted(extra)} are not supported (only {list(_HYPER)})")
+        defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, **adamw}
         params = list(params)
-        groups = params if params and isinstance(params[0], dict) else [{"params": params}]  # AdamW's two forms
-        self.parts: list[torch.optim.Optimizer] = []
-        dtypes = sorted({p.dtype for g in groups for p in g["params"]}, key=str)
-        # one part per (group, dtype): ZeroRedundancyOptimizer takes one dtype, and a bf16 model keeps its routers and
-        # the indexer's head weights in fp32 (backend.cast_like_temper)
-        for (want, group), dt in itertools.product(((False, dense_group), (True, expert_group)), dtypes):
-            mine = [{**g, "params": [p for p in g["params"]
-                                     if getattr(p, "routed_expert", False) == want and p.dtype == dt]} for g in groups]
-            mine = [g for g in mine if g["params"]]
-            if not mine:
-                continue
-            if dist.get_world_size(group) > 1:
-                self.parts.append(ZeroRedundancyOptimizer(mine, optimizer_class=torch.optim.AdamW, process_group=group,
-                                                          **adamw))
-            else:
-                self.parts.append(torch.optim.AdamW(mine, **adamw))
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Every part's groups (the trainers set each step's lr here; a sharded part passes it on at `step`)."""
-        return [g for o in self.parts for g in o.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.parts:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        for o in self.parts:
-            o.step()
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.defaults = defaults
+        self.param_groups: list[dict] = []  # the trainers set each step's lr here; `params` are the model's
+        for g in groups:
+            unknown = set(g) - {"params", *_HYPER}
+            if unknown:
+                raise ValueError(f"ShardedAdamW: param group options {sorted(unknown)} are not supported")
+            self.param_groups.append({**defaults, **g, "params": list(g["params"])})
+        seen: set[int] = set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in seen:
+                    raise ValueError("ShardedAdamW: a parameter appears in more than one param group")
+                seen.add(id(p))
+        self.buckets: list[list[_Bucket]] = []  # per param group
+        inner_groups = []
+        for g in self.param_groups:
+            mine: list[_Bucket] = []
+            for want, group in ((False, dense_group), (True, expert_group)):
+                dtypes = sorted({p.dtype for p in g["params"] if getattr(p, "routed_expert", False) == want}, key=str)
+                for dt in dtypes:
+                    ps = [p for p in g["params"] if getattr(p, "routed_expert", False) == want and p.dtype == dt]
+                    mine.append(self._bucket(ps, group if shard else None))
+            self.buckets.append(mine)
+            inner_groups.append({**{k: g[k] for k in _HYPER}, "params": [s.main for b in mine for s in b.segments]})
+        self._inner = torch.optim.AdamW(inner_groups, **{k: defaults[k] for k in _HYPER}) \
+            if any(grp["params"] for grp in inner_groups) else None
 
     @staticmethod
-    def _local(o: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return o.optim if isinstance(o, ZeroRedundancyOptimizer) else o
+    def _bucket(params: list[torch.Tensor], group) -> _Bucket:
+        world, rank = _group_size(group)
+        offsets, n = [], 0
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"ShardedAdamW: a parameter of shape {tuple(p.shape)} is not contiguous")
+            offsets.append(n)
+            n += p.numel()
+        shard = -(-n // world)
+        lo_r, hi_r = rank * shard, min((rank + 1) * shard, n)
+        segments = []
+        for p, off in zip(params, offsets, strict=True):
+            lo, hi = max(lo_r, off) - off, min(hi_r, off + p.numel()) - off
+            if lo < hi:
+                main = p.detach().reshape(-1)[lo:hi].to(torch.float32, copy=True)
+                segments.append(_Segment(p, lo, hi, off + lo, main))
+        return _Bucket(params, offsets, n, shard, group if world > 1 else None, world, rank, segments)
 
+    # ---- the optimizer interface the trainers use ------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self._inner is not None:
+            for g, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
+                inner.update({k: g[k] for k in _HYPER})
+            for buckets in self.buckets:
+                for b in buckets:
+                    for s in b.segments:
+                        cur = s.param.detach().reshape(-1)[s.lo:s.hi]
+                        if not torch.equal(cur, s.main.to(cur.dtype)):  # the weights changed from outside
+                            s.main.copy_(cur)
+                        g = s.param.grad
+                        s.main.grad = None if g is None else g.detach().reshape(-1)[s.lo:s.hi].to(torch.float32)
+            self._inner.step()
+            for s in self._segments():
+                s.main.grad = None
+        for buckets in self.buckets:
+            for b in buckets:
+                self._publish(b)
+
+    @staticmethod
+    def _publish(b: _Bucket) -> None:
+        """The bucket's parameters ← every rank's main weights, cast to the parameter dtype."""
+        if b.numel == 0:
+            return
+        dtype, device = b.params[0].dtype, b.params[0].device
+        if b.group is None:
+            for s in b.segments:
+                s.param.detach().view(-1)[s.lo:s.hi].copy_(s.main)
+            return
+        mine = torch.zeros(b.shard, dtype=dtype, device=device)
+        base = b.rank * b.shard
+        for s in b.segments:
+            mine[s.start - base:s.start - base + s.hi - s.lo] = s.main
+        flat = torch.empty(b.shard * b.world, dtype=dtype, device=device)
+        _gather(flat, mine, b.group)
+        for p, off in zip(b.params, b.offsets, strict=True):
+            p.data.copy_(flat[off:off + p.numel()].view_as(p))
+
+    def _segments(self) -> list[_Segment]:
+        return [s for buckets in self.buckets for b in buckets for s in b.segments]
+
+    def _layout(self) -> list[list[tuple]]:
+        return [[(b.numel, b.world, b.rank, str(b.params[0].dtype) if b.params else "",
+                  [(s.lo, s.hi) for s in b.segments]) for b in buckets] for buckets in self.buckets]
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's part: each local optimizer's state (a sharded part's: the moments this rank owns)."""
-        return {"sharded_adamw": [self._local(o).state_dict() for o in self.parts]}
+        """This rank's part: its segments' fp32 main weights and their AdamW state, and the layout they belong to."""
+        return {"format": _FORMAT, "layout": self._layout(), "main": [s.main.clone() for s in self._segments()],
+                "inner": self._inner.state_dict() if self._inner is not None else None,
+                "hyper": [{k: g[k] for k in _HYPER} for g in self.param_groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        parts = state.get("sharded_adamw") if isinstance(state, dict) else None
-        if parts is None or len(parts) != len(self.parts):
-            raise ValueError("ShardedAdamW: the state is not a sharded optimizer's of this layout (resume with the same "
+        if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("layout") != self._layout():
+            raise ValueError("ShardedAdamW: the state is not this layout's sharded optimizer (resume with the same "
                              "trainer.megatron.distributed_optimizer, trainer.megatron.dtype and layout)")
-        for o, sd in zip(self.parts, parts, strict=True):
-            self._local(o).load_state_dict(sd)
-            if isinstance(o, ZeroRedundancyOptimizer):  # the exposed groups follow the restored local ones
-                o._sync_param_groups(o.optim.param_groups, o.param_groups)
+        for s, main in zip(self._segments(), state["main"], strict=True):
+            s.main.copy_(main)
+        if self._inner is not None:
+            self._inner.load_state_dict(state["inner"])
+        for g, h in zip(self.param_groups, state["hyper"], strict=True):
+            g.update(h)
 
+    # ---- what a rank holds -----------------------------------------------------------------------------
     def local_state_numel(self) -> int:
-        """Elements of optimizer state (Adam's moments) this rank holds."""
-        return sum(t.numel() for o in self.parts for st in self._local(o).state.values() for t in st.values()
-                   if torch.is_tensor(t) and t.dim() > 0)
+        """Elements of Adam's moments this rank holds."""
+        if self._inner is None:
+            return 0
+        return sum(t.numel() for st in self._inner.state.values() for k, t in st.items()
+                   if k in ("exp_avg", "exp_avg_sq"))
+
+    def local_main_numel(self) -> int:
+        """Elements of fp32 main weights this rank holds (what its moments will cover once every segment stepped)."""
+        return sum(s.hi - s.lo for s in self._segments())

@@ -1,0 +1,189 @@
+"""`ShardedAdamW` (trainers/megatron/optimizer.py) against torch's own AdamW: in fp32 its update is AdamW's bit for
+bit, on one rank and split element-exactly over two gloo ranks; in bf16 the weights are torch AdamW's on fp32 copies,
+cast, where a bf16 AdamW rounds the update away; a resumed state continues bit for bit; weights changed from outside
+are taken up; another layout is refused."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainers.backends import launch
+from trainers.megatron.optimizer import ShardedAdamW
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZES = [(7,), (5,), (3,)]  # param groups [p0, p1] (12 elements) and [p2] (3), each split over the ranks on its own
+
+
+def _params(dtype=torch.float32, seed=0, sizes=SIZES) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in sizes]
+
+
+def _grads(step: int, sizes=SIZES, salt: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step + 1000 * salt)
+    return [torch.randn(s, generator=g) for s in sizes]
+
+
+def _groups(ps):
+    """Two param groups with their own weight decay and lr (the trainers' LM form)."""
+    return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _run(opt, ps, steps, dtype, skip=None, salt: int = 0):
+    """`steps` steps with a per-step lr; on step `skip` the second parameter has no gradient."""
+    for t in range(steps):
+        for p, g in zip(ps, _grads(t, salt=salt), strict=True):
+            p.grad = g.to(dtype)
+        if t == skip:
+            ps[1].grad = None
+        for grp in opt.param_groups:
+            grp["lr"] = 1e-2 * (t + 1)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_fp32_one_rank_is_torch_adamw_bit_for_bit():
+    ref, mine = _params(), _params()
+    _run(torch.optim.AdamW(_groups(ref), lr=1e-2), ref, 4, torch.float32, skip=2)
+    opt = ShardedAdamW(_groups(mine), lr=1e-2)
+    _run(opt, mine, 4, torch.float32, skip=2)
+    for a, b in zip(ref, mine, strict=True):
+        assert torch.equal(a, b)
+    assert opt.local_main_numel() == 15 and opt.local_state_numel() == 30
+
+
+def test_bf16_weights_are_adamw_on_fp32_main_weights():
+    """The reference is torch AdamW over fp32 copies fed the bf16 gradients, cast to bf16 after every step. Weights
+    in [0.009, 0.014) have a bf16 ulp of 2^-14 (6.1e-5); with gradients of one sign Adam moves them about lr = 1e-5
+    a step, under half an ulp: a bf16 AdamW leaves them where they were, the main weights add the steps up."""
+    lr = 1e-5
+    g = torch.Generator().manual_seed(0)
+    start = [(0.009 + 0.005 * torch.rand(s, generator=g)).to(torch.bfloat16) for s in SIZES]
+    main_ref = [w.float().requires_grad_() for w in start]
+    mine, plain = [w.clone().requires_grad_() for w in start], [w.clone().requires_grad_() for w in start]
+    opt, plain_opt, ref_opt = ShardedAdamW(mine, lr=lr), torch.optim.AdamW(plain, lr=lr), torch.optim.AdamW(main_ref,
+                                                                                                            lr=lr)
+    for t in range(40):
+        grads = [(g.abs() + 0.1).to(torch.bfloat16) for g in _grads(t)]
+        for p, q, r, gr in zip(mine, plain, main_ref, grads, strict=True):
+            p.grad, q.grad, r.grad = gr.clone(), gr.clone(), gr.float()
+        opt.step()
+        plain_opt.step()
+        ref_opt.step()
+        for p, r in zip(mine, main_ref, strict=True):
+            assert torch.equal(p.detach(), r.detach().to(torch.bfloat16)), t
+    assert all(torch.equal(q, s) for q, s in zip(plain, start, strict=True))  # bf16 AdamW: nothing moved
+    assert all(bool((p < s).all()) for p, s in zip(mine, start, strict=True))  # every weight went down
+
+
+def test_resume_continues_bit_for_bit_and_other_layouts_are_refused():
+    lr = 1e-4
+    ps = _params(torch.bfloat16)
+    opt = ShardedAdamW(_groups(ps), lr=lr)
+    _run(opt, ps, 3, torch.bfloat16)
+    saved_w, saved = [p.detach().clone() for p in ps], copy.deepcopy(opt.state_dict())  # as torch.save would
+    _run(opt, ps, 2, torch.bfloat16, salt=1)
+
+    other = _params(torch.bfloat16, seed=9)  # other weights, a fresh optimizer: the state must bring everything
+    opt2 = ShardedAdamW(_groups(other), lr=lr)
+    with torch.no_grad():
+        for p, w in zip(other, saved_w, strict=True):
+            p.copy_(w)
+    opt2.load_state_dict(saved)
+    _run(opt2, other, 2, torch.bfloat16, salt=1)
+    for a, b in zip(ps, other, strict=True):
+        assert torch.equal(a, b)
+    # without the main weights (seeded from the bf16 weights instead) the same two steps land elsewhere
+    fresh = [w.clone().requires_grad_() for w in saved_w]
+    opt3 = ShardedAdamW(_groups(fresh), lr=lr)
+    opt3._inner.load_state_dict(saved["inner"])
+    _run(opt3, fresh, 2, torch.bfloat16, salt=1)
+    assert any(not torch.equal(a, b) for a, b in zip(ps, fresh, strict=True))
+
+    wrong = ShardedAdamW([{"params": _params(torch.bfloat16, sizes=[(7,), (5,), (4,)])}], lr=lr)
+    with pytest.raises(ValueError, match="trainer.megatron.distributed_optimizer, trainer.megatron.dtype"):
+        wrong.load_state_dict(saved)
+    with pytest.raises(ValueError, match="trainer.megatron.distributed_optimizer"):
+        wrong.load_state_dict({"state": {}, "param_groups": []})  # a plain AdamW's
+
+
+def test_weights_changed_from_outside_are_taken_up():
+    """After a step, new weights are loaded into the model (a checkpoint's): the next step starts from them, with the
+    moments carried on, as AdamW on those weights would."""
+    ref, mine = _params(), _params()
+    ropt, opt = torch.optim.AdamW(ref, lr=1e-2), ShardedAdamW(mine, lr=1e-2)
+    _run(ropt, ref, 1, torch.float32)
+    _run(opt, mine, 1, torch.float32)
+    with torch.no_grad():
+        for a, b, w in zip(ref, mine, _params(seed=5), strict=True):
+            a.copy_(w)
+            b.copy_(w)
+    _run(ropt, ref, 2, torch.float32, salt=2)
+    _run(opt, mine, 2, torch.float32, salt=2)
+    for a, b in zip(ref, mine, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_options_are_refused():
+    with pytest.raises(ValueError, match=r"\['amsgrad'\]"):
+        ShardedAdamW(_params(), lr=1e-3, amsgrad=True)
+    p = _params()
+    with pytest.raises(ValueError, match="more than one param group"):
+        ShardedAdamW([{"params": p}, {"params": p[:1]}], lr=1e-3)
+
+
+def _two_ranks(backend, dtype_name: str):
+    dtype = getattr(torch, dtype_name)
+    rank = dist.get_rank()
+    solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+    dense = _params(dtype)
+    expert = _params(dtype, seed=50 + rank, sizes=[(6,)])  # each rank its own expert, whole on that rank
+    expert[0].routed_expert = True
+    opt = ShardedAdamW(_groups(dense) + [{"params": expert}], lr=1e-2, dense_group=dist.group.WORLD,
+                       expert_group=solo[rank])
+    numel = opt.local_main_numel()
+    for t in range(3):
+        for p, g in zip(dense, _grads(t), strict=True):
+            p.grad = g.to(dtype)
+        expert[0].grad = _grads(t, sizes=[(6,)], salt=rank + 1)[0].to(dtype)
+        for grp in opt.param_groups:
+            grp["lr"] = 1e-2 * (t + 1)
+        opt.step()
+        opt.zero_grad()
+    return {"dense": [p.detach().clone() for p in dense], "expert": expert[0].detach().clone(), "numel": numel,
+            "moments": opt.local_state_numel(), "state": opt.state_dict()}
+
+
+def _reference(dtype, rank):
+    """One process, torch AdamW over fp32 copies of every parameter, with rank `rank`'s expert."""
+    dense = [p.detach().float().requires_grad_() for p in _params(dtype)]
+    expert = [p.detach().float().requires_grad_() for p in _params(dtype, seed=50 + rank, sizes=[(6,)])]
+    opt = torch.optim.AdamW(_groups(dense) + [{"params": expert}], lr=1e-2)
+    for t in range(3):
+        for p, g in zip(dense, _grads(t), strict=True):
+            p.grad = g.to(dtype).float()
+        expert[0].grad = _grads(t, sizes=[(6,)], salt=rank + 1)[0].to(dtype).float()
+        for grp in opt.param_groups:
+            grp["lr"] = 1e-2 * (t + 1)
+        opt.step()
+    return [p.detach().to(dtype) for p in dense], expert[0].detach().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_split_the_state_exactly_and_step_as_one_adamw(dtype):
+    got = launch(_two_ranks, 2, dtype)
+    for rank, g in enumerate(got):
+        dense, expert = _reference(getattr(torch, dtype), rank)
+        for a, b in zip(dense, g["dense"], strict=True):
+            assert torch.equal(a, b), rank  # each rank's dense weights: the whole update, gathered
+        assert torch.equal(expert, g["expert"]), rank
+    # group 1's 12 elements split 6 / 6, group 2's 3 split 2 / 1; each rank's 6 expert elements whole
+    assert [g["numel"] for g in got] == [6 + 2 + 6, 6 + 1 + 6]
+    assert [g["moments"] for g in got] == [2 * (6 + 2 + 6), 2 * (6 + 1 + 6)]
+    # (lo, hi) of each owned piece: rank 0 holds p0[0:6] and p2[0:2]; rank 1 p0[6:7], all of p1 and p2[2:3]
+    lay0, lay1 = got[0]["state"]["layout"], got[1]["state"]["layout"]
+    assert [lay0[0][0][4], lay0[1][0][4], lay0[2][0][4]] == [[(0, 6)], [(0, 2)], [(0, 6)]]
+    assert [lay1[0][0][4], lay1[1][0][4], lay1[2][0][4]] == [[(6, 7), (0, 5)], [(2, 3)], [(0, 6)]]
