@@ -36,7 +36,9 @@ mkdir -p "$OUT"
 if [ "$MODE" = tests ]; then
   # the CUDA tests: the trainers on the device, the engine's CUDA graphs (bench/gpu.py checks the kernels there)
   [ $# -gt 0 ] || set -- tests/trainers/test_device.py \
-    tests/rollout/test_engine_device.py::test_cuda_engine_with_graphs_equals_eager
+    tests/rollout/test_engine_device.py::test_cuda_engine_with_graphs_equals_eager \
+    "tests/trainers/test_sharded_adamw.py::test_bf16_weights_are_adamw_on_fp32_main_weights[cuda]" \
+    "tests/trainers/test_sharded_adamw.py::test_bf16_gradients_of_micro_batches_sum_in_fp32[cuda]"
   python -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log"
   exit
 fi

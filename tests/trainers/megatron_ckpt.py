@@ -27,6 +27,7 @@ from model.checkpoint import to_hf_state  # noqa: E402
 from trainers.checkpoint import load_training_state, restore, save_training_state  # noqa: E402
 from trainers.megatron.backend import MegatronBackend  # noqa: E402
 from trainers.megatron.convert import megatron_state  # noqa: E402
+from trainers.megatron.optimizer import grad_of  # noqa: E402
 from trainers.megatron.parity import step_loss  # noqa: E402
 from trainers.sao import Critic  # noqa: E402
 
@@ -113,6 +114,10 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
             loss, _, _ = step_loss(mb, rows, batch_a.shape[0] * (batch_a.shape[1] - 1))
             loss.backward()
             be.all_reduce_grads(mb)
+            norm = float(be.clip_grad_norm(mb, 1.0))
+            # the gradients the step reads: fp32 sums in `main_grad` for the bf16 weights, `.grad` left empty
+            grads = sorted({(str(p.dtype), str(grad_of(p).dtype), p.grad is None) for p in mb.parameters()
+                            if grad_of(p) is not None})
             ob.step()
             dense = {k: v.float() for k, v in megatron_state(mb).items() if ".mlp.experts." not in k}
             moved: dict[str, bool] = {}  # per dtype of the dense weights: did any of them change
@@ -120,7 +125,7 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
                 if k in start:
                     moved[str(w.dtype)] = moved.get(str(w.dtype), False) or not torch.equal(dense[k], start[k])
             bf16 = {"buckets": sorted((b.world, str(b.params[0].dtype)) for bs in ob.buckets for b in bs),
-                    "dense": dense, "moved": moved}
+                    "dense": dense, "moved": moved, "grads": grads, "norm": norm}
             be.dtype = torch.float32
         torch.save({"bf16": bf16, "continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
                     "draws": (draw_continued, draw_resumed),

@@ -52,6 +52,10 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep, zer
         assert ranks[0]["bf16"]["buckets"] == [(1, "torch.bfloat16"), (2, "torch.bfloat16"), (2, "torch.float32")], \
             ranks[0]["bf16"]["buckets"]
         assert ranks[0]["bf16"]["moved"] == {"torch.bfloat16": True, "torch.float32": True}  # both buckets stepped
+        # bf16 weights' gradients summed and reduced in fp32 (main_grad, `.grad` empty); fp32 weights' in `.grad`
+        assert ranks[0]["bf16"]["grads"] == [("torch.bfloat16", "torch.float32", True),
+                                             ("torch.float32", "torch.float32", False)], ranks[0]["bf16"]["grads"]
+        assert ranks[0]["bf16"]["norm"] == ranks[1]["bf16"]["norm"] > 0  # the model-wide norm, the same everywhere
         d0, d1 = ranks[0]["bf16"]["dense"], ranks[1]["bf16"]["dense"]
         assert d0.keys() == d1.keys() and all(torch.equal(d0[k], d1[k]) for k in d0)
         # Adam's moments: a whole AdamW holds every dense element's and its rank's experts'; the sharded one its

@@ -14,6 +14,9 @@ from trainers.megatron.optimizer import ShardedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# the bf16 tests also run on a GPU (`bench/gpu_run.sh tests`): there both AdamWs take torch's foreach path
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
 SIZES = [(7,), (5,), (3,)]  # param groups [p0, p1] (12 elements) and [p2] (3), each split over the ranks on its own
 
 
@@ -55,19 +58,20 @@ def test_fp32_one_rank_is_torch_adamw_bit_for_bit():
     assert opt.local_main_numel() == 15 and opt.local_state_numel() == 30
 
 
-def test_bf16_weights_are_adamw_on_fp32_main_weights():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_weights_are_adamw_on_fp32_main_weights(device):
     """The reference is torch AdamW over fp32 copies fed the bf16 gradients, cast to bf16 after every step. Weights
     in [0.009, 0.014) have a bf16 ulp of 2^-14 (6.1e-5); with gradients of one sign Adam moves them about lr = 1e-5
     a step, under half an ulp: a bf16 AdamW leaves them where they were, the main weights add the steps up."""
     lr = 1e-5
     g = torch.Generator().manual_seed(0)
-    start = [(0.009 + 0.005 * torch.rand(s, generator=g)).to(torch.bfloat16) for s in SIZES]
+    start = [(0.009 + 0.005 * torch.rand(s, generator=g)).to(device, torch.bfloat16) for s in SIZES]
     main_ref = [w.float().requires_grad_() for w in start]
     mine, plain = [w.clone().requires_grad_() for w in start], [w.clone().requires_grad_() for w in start]
     opt, plain_opt, ref_opt = ShardedAdamW(mine, lr=lr), torch.optim.AdamW(plain, lr=lr), torch.optim.AdamW(main_ref,
                                                                                                             lr=lr)
     for t in range(40):
-        grads = [(g.abs() + 0.1).to(torch.bfloat16) for g in _grads(t)]
+        grads = [(g.abs() + 0.1).to(device, torch.bfloat16) for g in _grads(t)]
         for p, q, r, gr in zip(mine, plain, main_ref, grads, strict=True):
             p.grad, q.grad, r.grad = gr.clone(), gr.clone(), gr.float()
         opt.step()
@@ -187,3 +191,31 @@ def test_two_ranks_split_the_state_exactly_and_step_as_one_adamw(dtype):
     lay0, lay1 = got[0]["state"]["layout"], got[1]["state"]["layout"]
     assert [lay0[0][0][4], lay0[1][0][4], lay0[2][0][4]] == [[(0, 6)], [(0, 2)], [(0, 6)]]
     assert [lay1[0][0][4], lay1[1][0][4], lay1[2][0][4]] == [[(6, 7), (0, 5)], [(2, 3)], [(0, 6)]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_gradients_of_micro_batches_sum_in_fp32(device):
+    """Two backwards into a bf16 weight (two micro-batches): the step reads the fp32 sum of the two bf16 gradients,
+    where autograd's own accumulation would add them in bf16 and round. `.grad` stays empty; `zero_grad` clears the
+    sum; the step equals torch AdamW on an fp32 copy fed that sum."""
+    w = torch.full((4,), 0.5, dtype=torch.bfloat16, device=device, requires_grad=True)
+    x1 = torch.tensor([1.0, 1.0, 3.0, 1.0], dtype=torch.bfloat16, device=device)
+    x2 = torch.tensor([2 ** -9, 2 ** -8, 2 ** -7, 1.0], dtype=torch.bfloat16, device=device)  # rounded away in bf16
+    opt = ShardedAdamW([w], lr=1e-3, weight_decay=0.0)
+    (w * x1).sum().backward()
+    (w * x2).sum().backward()
+    assert w.grad is None
+    want = x1.float() + x2.float()
+    assert torch.equal(w.main_grad, want)
+    assert not torch.equal((x1 + x2).float(), want)  # what a bf16 accumulation would have given
+    ref = w.detach().float().requires_grad_()
+    ref.grad = want.clone()
+    torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0).step()
+    opt.step()
+    assert torch.equal(w.detach(), ref.detach().to(torch.bfloat16))
+    opt.zero_grad()
+    assert w.main_grad is None and w.grad is None
+    f32 = torch.zeros(3, device=device, requires_grad=True)  # an fp32 weight keeps its plain `.grad`
+    ShardedAdamW([f32], lr=1e-3)
+    (f32 * 2).sum().backward()
+    assert torch.equal(f32.grad, torch.full((3,), 2.0, device=device)) and not hasattr(f32, "main_grad")

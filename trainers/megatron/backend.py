@@ -27,6 +27,7 @@ from trainers.backends import TrainBackend
 
 from . import parallel
 from .convert import from_megatron, is_routed_expert, load_into, megatron_state
+from .optimizer import grad_of, set_grad_of
 
 
 def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -166,11 +167,11 @@ class MegatronBackend(TrainBackend):
                 done.update(id(p) for p in m.parameters())
         dp_g, dp = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
         for p in model.parameters():
-            if id(p) in done or p.grad is None or dp == 1:
+            if id(p) in done or grad_of(p) is None or dp == 1:
                 continue
-            g = p.grad.contiguous()
+            g = grad_of(p).contiguous()
             dist.all_reduce(g, group=dp_g)
-            p.grad = g / dp
+            set_grad_of(p, g / dp)
 
     @torch.no_grad()
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -181,10 +182,11 @@ class MegatronBackend(TrainBackend):
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for name, p in model.named_parameters():
-            if p.grad is None:
+            g = grad_of(p)  # bf16 weights: the fp32 main gradient
+            if g is None:
                 continue
-            grads.append(p.grad)
-            sq = p.grad.double().pow(2).sum()
+            grads.append(g)
+            sq = g.double().pow(2).sum()
             if is_routed_expert(name):
                 expert += sq  # distinct over the expert model-parallel ranks
             elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:

@@ -44,6 +44,7 @@ from model.transformer import ModelOutput, Transformer
 from .convert import from_megatron, is_routed_expert, load_into, megatron_state
 from .experts import GroupedExperts
 from .mapping import megatron_args
+from .optimizer import grad_of, set_grad_of
 
 EXPERTS = ("grouped", "sequential")  # temper's GroupedExperts, or Megatron's SequentialMLP
 
@@ -436,9 +437,10 @@ class MegatronGLM(nn.Module):
                              ps.get_expert_data_parallel_group())
         dp = ps.get_data_parallel_world_size()
         for name, p in self.named_parameters():
-            if p.grad is None:
+            g = grad_of(p)  # bf16 weights: the fp32 main gradient
+            if g is None:
                 continue
-            g = p.grad.contiguous()
+            g = g.contiguous()
             if self.sp and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(g, group=tp_g)
             group = edp_g if is_routed_expert(name) else dp_g
@@ -446,7 +448,7 @@ class MegatronGLM(nn.Module):
                 dist.all_reduce(g, group=group)
             if average and dp > 1:
                 g /= dp
-            p.grad = g
+            set_grad_of(p, g)
         for m in self.moe_layers():
             c = m.router.local_tokens_per_expert
             for group in (tp_g if self.sp else None, dp_g):
@@ -480,8 +482,9 @@ class MegatronGLM(nn.Module):
             # a Parameter's deep copy drops its Python attributes, which Megatron and the backend read (the
             # sequence-parallel and tensor-parallel marks, `allreduce`): without them a copy's (SAO's critic's)
             # replicated weights would go unreduced over the tp ranks and its clip norm would miss its shards
+            # (not the fp32 main gradient: the copy's optimizer hooks its own parameters, optimizer.keep_main_grads)
             for p, q in zip(self.parameters(), new.parameters(), strict=True):
-                q.__dict__.update(copy.deepcopy(p.__dict__, memo))
+                q.__dict__.update(copy.deepcopy({k: v for k, v in p.__dict__.items() if k != "main_grad"}, memo))
             return new
         finally:
             for t, f in saved.items():

@@ -23,6 +23,11 @@ A rank holds 3·ceil(N / W) fp32 elements of optimizer state per bucket (main we
 plan's 12 bytes per parameter over the data-parallel ranks (trainers/megatron/plan.py). Weights and gradients are not
 sharded, and the gradients are all-reduced, not reduce-scattered: stage 1, not 2.
 
+Gradients of weights in a lower precision than fp32 are accumulated in fp32 (Megatron's `main_grad`): the optimizer
+hooks each such parameter so that every backward adds its gradient, cast to fp32, into `param.main_grad` and clears
+`param.grad`. Micro-batches then sum in fp32, the backend reduces and clips the fp32 sums (`grad_of`), and the step
+reads them. A bf16 sum of micro-batch gradients rounds at every addition.
+
 The main weights follow the model where the model's weights change from outside (a checkpoint or `load_hf` into the
 model after the optimizer was built): before each update a segment whose parameter no longer equals its main copy's
 cast takes the parameter's value.
@@ -70,6 +75,37 @@ def _group_size(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a step uses: the fp32 main gradient where `ShardedAdamW` accumulates one, else `p.grad`."""
+    mg = getattr(p, "main_grad", None)
+    return mg if mg is not None else p.grad
+
+
+def set_grad_of(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Replace the gradient `grad_of(p)` returned (after a reduction)."""
+    if getattr(p, "main_grad", None) is not None:
+        p.main_grad = g
+    else:
+        p.grad = g
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: `p.grad` (the weights' dtype) added into the fp32 `p.main_grad`, then cleared."""
+    if p.main_grad is None:
+        p.main_grad = p.grad.to(torch.float32)
+    else:
+        p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+def keep_main_grads(params) -> None:
+    """Accumulate the gradients of `params` below fp32 in fp32 `main_grad`s (once per parameter)."""
+    for p in params:
+        if p.requires_grad and p.dtype != torch.float32 and not hasattr(p, "main_grad"):
+            p.main_grad = None
+            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+
+
 def _gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     fn(out, mine, group=group)
@@ -112,6 +148,7 @@ class ShardedAdamW:
                     mine.append(self._bucket(ps, group if shard else None))
             self.buckets.append(mine)
             inner_groups.append({**{k: g[k] for k in _HYPER}, "params": [s.main for b in mine for s in b.segments]})
+        keep_main_grads(p for g in self.param_groups for p in g["params"])
         self._inner = torch.optim.AdamW(inner_groups, **{k: defaults[k] for k in _HYPER}) \
             if any(grp["params"] for grp in inner_groups) else None
 
@@ -138,12 +175,14 @@ class ShardedAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+                for attr in ("grad", "main_grad"):
+                    t = getattr(p, attr, None)
+                    if t is None:
+                        continue
+                    if set_to_none:
+                        setattr(p, attr, None)
+                    else:
+                        t.detach_().zero_()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -156,7 +195,7 @@ class ShardedAdamW:
                         cur = s.param.detach().reshape(-1)[s.lo:s.hi]
                         if not torch.equal(cur, s.main.to(cur.dtype)):  # the weights changed from outside
                             s.main.copy_(cur)
-                        g = s.param.grad
+                        g = grad_of(s.param)
                         s.main.grad = None if g is None else g.detach().reshape(-1)[s.lo:s.hi].to(torch.float32)
             self._inner.step()
             for s in self._segments():

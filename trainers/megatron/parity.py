@@ -22,6 +22,7 @@ from model.config import ModelConfig
 from model.losses import indexer_kl_loss
 
 from .convert import from_megatron, megatron_state
+from .optimizer import grad_of
 
 
 def step_loss(model, ids: torch.Tensor, n_global: int, mtp_w: float = 0.3, indexer: bool = False):
@@ -51,7 +52,7 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
 
 def megatron_grads(model) -> dict[str, torch.Tensor]:
     """A MegatronGLM's gradients under the converter's names (buffers keep their values)."""
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+    grads = {n: (grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)).detach().float().cpu()
              for n, p in model.named_parameters()}
     return {k: grads.get(k, v.detach().float().cpu()) for k, v in megatron_state(model).items()}
 
