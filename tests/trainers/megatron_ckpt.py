@@ -94,6 +94,7 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
         step(m2, opt2, critic2, copt2, batch_b)
         resumed = shard(m2, critic2)
         plain, state_numel = None, (opt.local_state_numel() if zero else None, None)
+        main_numel = opt.local_shard_numel() if zero else None  # the elements this rank updates
         if zero:  # the same two steps from the same weights with a whole AdamW on every rank: the same weights
             be.distributed_optimizer = False
             m3, opt3, critic3, copt3 = build(0)
@@ -127,7 +128,8 @@ def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
             bf16 = {"buckets": sorted((b.world, str(b.params[0].dtype)) for bs in ob.buckets for b in bs),
                     "dense": dense, "moved": moved, "grads": grads, "norm": norm}
             be.dtype = torch.float32
-        torch.save({"bf16": bf16, "continued": continued, "resumed": resumed, "plain": plain, "state_numel": state_numel,
+        torch.save({"bf16": bf16, "main_numel": main_numel, "continued": continued, "resumed": resumed, "plain": plain,
+                    "state_numel": state_numel,
                     "draws": (draw_continued, draw_resumed),
                     "refused": refused, "refused_experts": refused_experts,
                     "after_a": after_a if be.is_main else None, "layout": be.state_layout(),

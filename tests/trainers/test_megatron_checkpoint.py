@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import configs
 from model import load_checkpoint
 from model.checkpoint import to_hf_state
 from trainers.backends import free_port
@@ -64,6 +65,13 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep, zer
         dense = (whole0 + whole1) - (mine0 + mine1)  # the dense elements' moments, counted once
         share0, share1 = mine0 - (whole0 - dense), mine1 - (whole1 - dense)
         assert dense > 0 and share0 > 0 and share1 > 0 and abs(share0 - share1) <= 2 * 2, (share0, share1, dense)
+        # the scale plan's optimizer shard for this layout (dense / dp + local experts / edp) is what each rank holds,
+        # up to the rounding of ceil(n / 2)
+        from trainers.megatron.plan import Layout, count_params, estimate
+
+        cfg = configs.load("micro").model
+        want = estimate(cfg, count_params(cfg), Layout(1, 1, 2, 1, 2), "fp32 grads, fp32 Adam").detail["optimizer_shard"]
+        assert [abs(r["main_numel"] - want) <= 1 for r in ranks] == [True, True], ([r["main_numel"] for r in ranks], want)
     if tp == 2:  # the ranks hold different halves of the attention, so their files must differ
         a, b = (r["continued"]["policy"] for r in ranks)
         assert any(not torch.equal(a[k], b[k]) for k in a if k in b and a[k].shape == b[k].shape)

@@ -55,7 +55,8 @@ def test_fp32_one_rank_is_torch_adamw_bit_for_bit():
     _run(opt, mine, 4, torch.float32, skip=2)
     for a, b in zip(ref, mine, strict=True):
         assert torch.equal(a, b)
-    assert opt.local_main_numel() == 15 and opt.local_state_numel() == 30
+    # fp32 weights are their own main weights: the state is the two moments
+    assert opt.local_shard_numel() == 15 and opt.local_state_numel() == 30 and opt.local_state_bytes() == 4 * 30
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -80,6 +81,7 @@ def test_bf16_weights_are_adamw_on_fp32_main_weights(device):
         for p, r in zip(mine, main_ref, strict=True):
             assert torch.equal(p.detach(), r.detach().to(torch.bfloat16)), t
     assert all(torch.equal(q, s) for q, s in zip(plain, start, strict=True))  # bf16 AdamW: nothing moved
+    assert opt.local_state_bytes() == 4 * 3 * 15  # an fp32 copy and two moments per bf16 element
     assert all(bool((p < s).all()) for p, s in zip(mine, start, strict=True))  # every weight went down
 
 
@@ -148,7 +150,7 @@ def _two_ranks(backend, dtype_name: str):
     expert[0].routed_expert = True
     opt = ShardedAdamW(_groups(dense) + [{"params": expert}], lr=1e-2, dense_group=dist.group.WORLD,
                        expert_group=solo[rank])
-    numel = opt.local_main_numel()
+    numel = opt.local_shard_numel()
     for t in range(3):
         for p, g in zip(dense, _grads(t), strict=True):
             p.grad = g.to(dtype)

@@ -12,15 +12,17 @@ Where the Megatron backend uses it (`MegatronBackend.optimizer`):
 
 How, per bucket (one per param group × rank group × parameter dtype): the bucket's parameters laid end to end form a
 flat vector of N elements, cut into W equal ranges of ceil(N / W) (W: the group's size). Rank r owns range r: for each
-piece of a parameter inside it (a *segment*) it keeps an fp32 main copy and that copy's Adam moments, in a torch AdamW
-whose parameters are the segments. `step` hands each segment the matching slice of the gradient (cast to fp32; a
+piece of a parameter inside it (a *segment*) it keeps an fp32 main weight and its Adam moments, in a torch AdamW
+whose parameters are the segments: for an fp32 parameter the main weight is the parameter's own slice (a view,
+updated in place), for a bf16 one an fp32 copy. `step` hands each segment the matching slice of the gradient (cast to fp32; a
 parameter without a gradient is skipped, as AdamW skips it), steps, casts the main weights to the parameter dtype and
 all-gathers the ranges into the parameters. The gradients are complete before `step` (the backend's
 `all_reduce_grads` and model-wide clip run first), so in fp32 the update is the whole AdamW's, bit for bit: every
 AdamW operation is elementwise, and a segment is a slice.
 
-A rank holds 3·ceil(N / W) fp32 elements of optimizer state per bucket (main weight and two moments), the scale
-plan's 12 bytes per parameter over the data-parallel ranks (trainers/megatron/plan.py). Weights and gradients are not
+A rank holds 3·ceil(N / W) fp32 elements of optimizer state per bf16 bucket (main weight and two moments), the scale
+plan's 12 bytes per parameter over the data-parallel ranks (trainers/megatron/plan.py), and 2·ceil(N / W) per fp32
+bucket (`local_state_bytes`). Weights and gradients are not
 sharded, and the gradients are all-reduced, not reduce-scattered: stage 1, not 2.
 
 Gradients of weights in a lower precision than fp32 are accumulated in fp32 (Megatron's `main_grad`): the optimizer
@@ -54,7 +56,8 @@ class _Segment:
     lo: int  # the piece [lo, hi) of the parameter's flat elements this rank owns
     hi: int
     start: int  # where the piece begins in the bucket's flat vector
-    main: torch.Tensor  # its fp32 main copy (a leaf: the inner AdamW's parameter)
+    main: torch.Tensor  # its fp32 main weight (a leaf: the inner AdamW's parameter): a view of an fp32 parameter
+    copy: bool  # True: a separate fp32 copy of a lower-precision parameter
 
 
 @dataclass
@@ -167,8 +170,9 @@ class ShardedAdamW:
         for p, off in zip(params, offsets, strict=True):
             lo, hi = max(lo_r, off) - off, min(hi_r, off + p.numel()) - off
             if lo < hi:
-                main = p.detach().reshape(-1)[lo:hi].to(torch.float32, copy=True)
-                segments.append(_Segment(p, lo, hi, off + lo, main))
+                flat = p.detach().view(-1)[lo:hi]
+                copy = p.dtype != torch.float32
+                segments.append(_Segment(p, lo, hi, off + lo, flat.to(torch.float32, copy=True) if copy else flat, copy))
         return _Bucket(params, offsets, n, shard, group if world > 1 else None, world, rank, segments)
 
     # ---- the optimizer interface the trainers use ------------------------------------------------------
@@ -192,8 +196,8 @@ class ShardedAdamW:
             for buckets in self.buckets:
                 for b in buckets:
                     for s in b.segments:
-                        cur = s.param.detach().reshape(-1)[s.lo:s.hi]
-                        if not torch.equal(cur, s.main.to(cur.dtype)):  # the weights changed from outside
+                        cur = s.param.detach().view(-1)[s.lo:s.hi]
+                        if s.copy and not torch.equal(cur, s.main.to(cur.dtype)):  # weights changed from outside
                             s.main.copy_(cur)
                         g = grad_of(s.param)
                         s.main.grad = None if g is None else g.detach().reshape(-1)[s.lo:s.hi].to(torch.float32)
@@ -212,7 +216,8 @@ class ShardedAdamW:
         dtype, device = b.params[0].dtype, b.params[0].device
         if b.group is None:
             for s in b.segments:
-                s.param.detach().view(-1)[s.lo:s.hi].copy_(s.main)
+                if s.copy:  # (a view was updated in place)
+                    s.param.detach().view(-1)[s.lo:s.hi].copy_(s.main)
             return
         mine = torch.zeros(b.shard, dtype=dtype, device=device)
         base = b.rank * b.shard
@@ -256,6 +261,11 @@ class ShardedAdamW:
         return sum(t.numel() for st in self._inner.state.values() for k, t in st.items()
                    if k in ("exp_avg", "exp_avg_sq"))
 
-    def local_main_numel(self) -> int:
-        """Elements of fp32 main weights this rank holds (what its moments will cover once every segment stepped)."""
+    def local_shard_numel(self) -> int:
+        """Elements of the parameters this rank updates (its ranges; what its moments cover once every segment stepped)."""
         return sum(s.hi - s.lo for s in self._segments())
+
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: Adam's moments and the fp32 copies of lower-precision weights."""
+        copies = sum(s.main.numel() for s in self._segments() if s.copy)
+        return 4 * (self.local_state_numel() + copies)
