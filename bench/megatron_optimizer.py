@@ -1,4 +1,4 @@
-"""The Megatron backend's optimizer (trainers/megatron/optimizer.py, `ShardedAdamW`), both sides in one run.
+"""The Megatron backend's optimizer (trainers/optim.py, `ShardedAdamW`), both sides in one run.
 
     python bench/megatron_optimizer.py                 # micro, 200 steps; two gloo ranks at EP = 2
     python bench/megatron_optimizer.py --preset tiny --steps 300 --lr 1e-3

@@ -50,6 +50,8 @@ from torch import nn
 
 from model.layers import MoE
 
+from .optim import ShardedAdamW, grad_of
+
 
 class TrainBackend(ABC):
     """What a trainer asks of its parallel runtime. `rank` / `world_size` describe the data-parallel
@@ -121,8 +123,14 @@ class TrainBackend(ABC):
     lockstep = False  # True where the data-parallel ranks must run the same forwards and backwards (MegatronBackend)
 
     def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
-        """The trainers' AdamW over `params` (tensors or param groups). The Megatron backend with
-        `trainer.megatron.distributed_optimizer` returns one whose moments are split over the data-parallel ranks."""
+        """The trainers' AdamW over `params` (tensors or param groups). Weights below fp32 (a bf16 checkpoint) are
+        updated through fp32 main weights and their gradients summed in fp32 (`ShardedAdamW`, unsharded; see
+        trainers/optim.py). The Megatron backend with `trainer.megatron.distributed_optimizer` splits them over the
+        data-parallel ranks."""
+        params = list(params)
+        flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+        if any(p.dtype != torch.float32 for p in flat):
+            return ShardedAdamW(params, shard=False, **adamw)
         return torch.optim.AdamW(params, **adamw)
 
     def gather_over_ranks(self, value) -> list:
@@ -140,8 +148,17 @@ class TrainBackend(ABC):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total L2 norm of `max_norm`; returns the norm before clipping. A backend whose
-        ranks hold different shards of the model (Megatron) computes the norm over the whole model."""
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        ranks hold different shards of the model (Megatron) computes the norm over the whole model. Weights with an
+        fp32 main gradient (trainers/optim.py) are clipped there."""
+        params = list(model.parameters())
+        if not any(getattr(p, "main_grad", None) is not None for p in params):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [g for g in map(grad_of, params) if g is not None]
+        total = torch.nn.utils.get_total_norm(grads)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ rule
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
 
 
 class TorchBackend(TrainBackend):
@@ -224,15 +241,18 @@ class DDPBackend(TrainBackend):
         params = [p for p in _unique(model.parameters()) if p.requires_grad]
         if not params:
             return
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        has = torch.tensor([grad_of(p) is not None for p in params], dtype=torch.int32, device=params[0].device)
         dist.all_reduce(has, op=dist.ReduceOp.SUM)
         live = []
         for p, n in zip(params, has.tolist()):
             if n == 0:
                 continue  # no rank produced a gradient: leave it None everywhere
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            live.append(p.grad)
+            if grad_of(p) is None:  # (a weight with an fp32 main gradient gets an fp32 zero one)
+                if hasattr(p, "main_grad"):
+                    p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                else:
+                    p.grad = torch.zeros_like(p)
+            live.append(grad_of(p))
         for bucket in _buckets(live, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)

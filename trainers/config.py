@@ -157,7 +157,7 @@ class MegatronConfig(BaseModel):
     tp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     etp: int | None = Field(default=None, ge=1)
-    # bfloat16: bf16 weights, updated through fp32 main weights (trainers/megatron/optimizer.py)
+    # bfloat16: bf16 weights, updated through fp32 main weights (trainers/optim.py)
     dtype: Literal["float32", "bfloat16"] = "float32"
     # the routed experts: temper's grouped GEMMs (GroupedExperts) or Megatron's SequentialMLP (a loop over experts)
     experts: Literal["grouped", "sequential"] = "grouped"

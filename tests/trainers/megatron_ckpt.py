@@ -27,8 +27,8 @@ from model.checkpoint import to_hf_state  # noqa: E402
 from trainers.checkpoint import load_training_state, restore, save_training_state  # noqa: E402
 from trainers.megatron.backend import MegatronBackend  # noqa: E402
 from trainers.megatron.convert import megatron_state  # noqa: E402
-from trainers.megatron.optimizer import grad_of  # noqa: E402
 from trainers.megatron.parity import step_loss  # noqa: E402
+from trainers.optim import grad_of  # noqa: E402
 from trainers.sao import Critic  # noqa: E402
 
 

@@ -148,6 +148,35 @@ def test_sao_step_runs_and_reports(tmp_path):
     assert st["trajectories"] == 4 and st["tokens"] == 40
 
 
+def test_a_bf16_policy_and_critic_train_through_fp32_main_weights():
+    """A bf16 checkpoint on the torch backend (the GPU deployment's): the actor's and the critic's optimizers keep fp32
+    main weights (trainers/optim.py), their bf16 weights' gradients land in fp32 `main_grad`s, and a step moves
+    both."""
+    from trainers.optim import ShardedAdamW
+    from trainers.sao import _next_logp
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    tr = SAOTrainer(Transformer(cfg).to(torch.bfloat16), SAOConfig(critic_updates=2))
+    assert isinstance(tr.opt, ShardedAdamW) and isinstance(tr.copt, ShardedAdamW)
+    before = [p.detach().clone() for p in tr.actor.parameters()], [p.detach().clone() for p in tr.critic.parameters()]
+    trajs, mask = [], [0] * 6 + [1] * 10
+    for i in range(4):  # on-policy: the rollout log-probs are the actor's own, so the ratio is 1 and nothing clips
+        toks = torch.randint(0, 200, (16,)).tolist()
+        with torch.no_grad():
+            lp = _next_logp(tr.actor, torch.tensor([toks]))[0]
+        logps = [float(lp[j - 1, t]) if m else 0.0 for j, (t, m) in enumerate(zip(toks, mask, strict=True))]
+        seg = Segment(toks, mask, logps, [3 if m else -1 for m in mask])
+        trajs.append(Trajectory("t", "e", "f", "math", "h", "v", 0, [seg], float(i % 2), "completed"))
+    st = tr.step(trajs, current_version=4)
+    assert math.isfinite(st["grad_norm"]) and st["grad_norm"] > 0 and math.isfinite(st["value_loss"])
+    bf16 = [p for p in tr.actor.parameters() if p.dtype == torch.bfloat16]
+    assert bf16 and all(p.grad is None for p in bf16)
+    assert any(p.main_grad is not None and p.main_grad.dtype == torch.float32 for p in bf16)
+    for now, then in zip((list(tr.actor.parameters()), list(tr.critic.parameters())), before, strict=True):
+        assert any(not torch.equal(p, q) for p, q in zip(now, then, strict=True))
+
+
 def test_value_pretrain_cycles_through_batches():
     """With a batch size, each update fits one batch, in order and cycling, and its loss is that batch's mean:
     the same as an update on that batch alone (so pre-training on 80 stored rollouts costs what 10 batches cost)."""

@@ -1,4 +1,4 @@
-"""`ShardedAdamW` (trainers/megatron/optimizer.py) against torch's own AdamW: in fp32 its update is AdamW's bit for
+"""`ShardedAdamW` (trainers/optim.py) against torch's own AdamW: in fp32 its update is AdamW's bit for
 bit, on one rank and split element-exactly over two gloo ranks; in bf16 the weights are torch AdamW's on fp32 copies,
 cast, where a bf16 AdamW rounds the update away; a resumed state continues bit for bit; weights changed from outside
 are taken up; another layout is refused."""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.backends import launch
-from trainers.megatron.optimizer import ShardedAdamW
+from trainers.optim import ShardedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,3 +221,90 @@ def test_bf16_gradients_of_micro_batches_sum_in_fp32(device):
     ShardedAdamW([f32], lr=1e-3)
     (f32 * 2).sum().backward()
     assert torch.equal(f32.grad, torch.full((3,), 2.0, device=device)) and not hasattr(f32, "main_grad")
+
+
+class _Net(torch.nn.Module):
+    """A bf16 weight and an fp32 one (as a bf16 checkpoint keeps its routers), and a bf16 weight only rank 1 uses."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(4, 3, generator=g).to(torch.bfloat16))
+        self.b = torch.nn.Parameter(torch.randn(3, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(3, generator=g).to(torch.bfloat16))
+
+    def loss(self, x: torch.Tensor, use_c: bool = False) -> torch.Tensor:
+        y = (x.to(torch.bfloat16) @ self.a).float() * self.b
+        if use_c:
+            y = y + (x[:, :3].to(torch.bfloat16) * self.c).float()
+        return y.pow(2).sum()
+
+
+def _xs(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 4, generator=g) for _ in range(n)]
+
+
+def test_the_torch_backend_trains_bf16_weights_through_fp32_main_weights():
+    """`TorchBackend.optimizer` on a model with bf16 weights: `ShardedAdamW`; two micro-batches sum in fp32, the
+    backend's clip scales the fp32 sums by torch's rule, and the step equals torch AdamW on fp32 copies fed them."""
+    from trainers.backends import TorchBackend
+
+    be, net = TorchBackend(), _Net()
+    ref = {n: p.detach().float().clone() for n, p in net.named_parameters()}
+    opt = be.optimizer(net.parameters(), lr=1e-3)
+    assert isinstance(opt, ShardedAdamW)
+    assert isinstance(be.optimizer([torch.zeros(2, requires_grad=True)], lr=1e-3), torch.optim.AdamW)  # fp32 only
+    grads = {n: torch.zeros_like(r) for n, r in ref.items()}
+    for x in _xs(2, 1):
+        twin = _Net()  # the same weights; its grads, cast to fp32, summed by hand
+        twin.loss(x, use_c=True).backward()
+        for n, p in twin.named_parameters():
+            grads[n] += p.grad.float()
+        net.loss(x, use_c=True).backward()
+    for n, p in net.named_parameters():
+        if p.dtype == torch.bfloat16:  # bf16: the fp32 sum in main_grad; fp32 (b): autograd's own fp32 sum
+            assert p.grad is None and torch.equal(p.main_grad, grads[n]), n
+        else:
+            assert torch.equal(p.grad, grads[n]), n
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    norm = be.clip_grad_norm(net, 0.5)
+    assert torch.equal(norm, total) and float(total) > 0.5  # so the clip scales
+    coef = (0.5 / (total + 1e-6)).clamp(max=1.0)
+    fp32 = {n: r.clone().requires_grad_() for n, r in ref.items()}
+    for n, p in fp32.items():
+        p.grad = grads[n] * coef
+    torch.optim.AdamW(list(fp32.values()), lr=1e-3).step()
+    opt.step()
+    for n, p in net.named_parameters():
+        assert torch.equal(p.detach(), fp32[n].detach().to(p.dtype)), n
+
+
+def _ddp_bf16(backend):
+    net = _Net()
+    opt = backend.optimizer(net.parameters(), lr=1e-3)
+    for x in _xs(2, 10 + backend.rank):
+        net.loss(x, use_c=backend.rank == 1).backward()
+    backend.all_reduce_grads(net)
+    return {n: (p.main_grad if p.dtype == torch.bfloat16 else p.grad).clone() for n, p in net.named_parameters()}, \
+        type(opt).__name__
+
+
+def test_ddp_averages_the_fp32_main_gradients():
+    """Two gloo ranks, bf16 weights: the reduced gradients are the mean of each rank's fp32 sums, and `c`, used on
+    rank 1 only, gets rank 1's half on both (a zero fp32 main gradient stood in on rank 0)."""
+    got = launch(_ddp_bf16, 2)
+    want = {n: torch.zeros(p.shape) for n, p in _Net().named_parameters()}
+    for rank in range(2):
+        for x in _xs(2, 10 + rank):  # each micro-batch's gradient on a fresh twin, summed in fp32 by hand
+            twin = _Net()
+            twin.loss(x, use_c=rank == 1).backward()
+            for n, p in twin.named_parameters():
+                if p.grad is not None:
+                    want[n] += p.grad.float()
+    want = {n: w / 2 for n, w in want.items()}
+    for grads, name in got:
+        assert name == "ShardedAdamW"
+        for n, w in want.items():
+            assert grads[n].dtype == torch.float32
+            torch.testing.assert_close(grads[n], w, rtol=1e-6, atol=0), n

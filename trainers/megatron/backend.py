@@ -24,10 +24,10 @@ from torch import nn
 from model import Transformer
 from model.checkpoint import from_hf_state, to_hf_state
 from trainers.backends import TrainBackend
+from trainers.optim import grad_of, set_grad_of
 
 from . import parallel
 from .convert import from_megatron, is_routed_expert, load_into, megatron_state
-from .optimizer import grad_of, set_grad_of
 
 
 def cast_like_temper(m: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -96,12 +96,12 @@ class MegatronBackend(TrainBackend):
         """AdamW. With `distributed_optimizer`, `ShardedAdamW`: fp32 main weights and Adam's moments split over the
         data-parallel group (dense) and the expert-data-parallel group (routed experts). In bf16 without it, the same
         fp32 main weights kept whole on every rank, as Megatron's mixed-precision optimizer keeps them
-        (trainers/megatron/optimizer.py)."""
+        (trainers/optim.py)."""
         from megatron.core import parallel_state as ps
 
         if not self.distributed_optimizer and self.dtype == torch.float32:
             return super().optimizer(params, **adamw)
-        from .optimizer import ShardedAdamW
+        from trainers.optim import ShardedAdamW
 
         return ShardedAdamW(params, dense_group=ps.get_data_parallel_group(),
                             expert_group=ps.get_expert_data_parallel_group(), shard=self.distributed_optimizer, **adamw)

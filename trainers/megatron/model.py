@@ -40,11 +40,11 @@ from model.attention import MLA, AttnContext
 from model.config import ModelConfig
 from model.layers import RMSNorm, Rotary
 from model.transformer import ModelOutput, Transformer
+from trainers.optim import grad_of, set_grad_of
 
 from .convert import from_megatron, is_routed_expert, load_into, megatron_state
 from .experts import GroupedExperts
 from .mapping import megatron_args
-from .optimizer import grad_of, set_grad_of
 
 EXPERTS = ("grouped", "sequential")  # temper's GroupedExperts, or Megatron's SequentialMLP
 
@@ -482,7 +482,7 @@ class MegatronGLM(nn.Module):
             # a Parameter's deep copy drops its Python attributes, which Megatron and the backend read (the
             # sequence-parallel and tensor-parallel marks, `allreduce`): without them a copy's (SAO's critic's)
             # replicated weights would go unreduced over the tp ranks and its clip norm would miss its shards
-            # (not the fp32 main gradient: the copy's optimizer hooks its own parameters, optimizer.keep_main_grads)
+            # (not the fp32 main gradient: the copy's optimizer hooks its own parameters, trainers.optim.keep_main_grads)
             for p, q in zip(self.parameters(), new.parameters(), strict=True):
                 q.__dict__.update(copy.deepcopy({k: v for k, v in p.__dict__.items() if k != "main_grad"}, memo))
             return new

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from model.checkpoint import to_hf_state
 from model.config import ModelConfig
 from model.losses import indexer_kl_loss
+from trainers.optim import grad_of
 
 from .convert import from_megatron, megatron_state
-from .optimizer import grad_of
 
 
 def step_loss(model, ids: torch.Tensor, n_global: int, mtp_w: float = 0.3, indexer: bool = False):
@@ -42,11 +42,12 @@ def step_loss(model, ids: torch.Tensor, n_global: int, mtp_w: float = 0.3, index
 
 
 def hf_grads(model) -> dict[str, torch.Tensor]:
-    """A temper Transformer's gradients under HF names (zeros where none; buffers left out)."""
-    g = copy.deepcopy(model)
+    """A temper Transformer's gradients under HF names, in fp32 (zeros where none; buffers left out). A bf16 weight's
+    gradient is its fp32 main gradient where its optimizer keeps one (trainers/optim.py)."""
+    g = copy.deepcopy(model).float()
     with torch.no_grad():
-        for p, q in zip(model.parameters(), g.parameters()):
-            q.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+        for p, q in zip(model.parameters(), g.parameters(), strict=True):
+            q.copy_(grad_of(p) if grad_of(p) is not None else torch.zeros_like(q))
     return dict(to_hf_state(g))
 
 

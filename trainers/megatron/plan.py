@@ -18,7 +18,7 @@ Where the numbers come from:
   parallel ranks of the parameter (the dp group for dense weights, the expert-dp group for experts). `bf16_moments`
   is Megatron's precision-aware optimizer (moments in bf16: 8 B); `offload` keeps the optimizer state in host memory
   (Megatron's `optimizer_cpu_offload`), reported as host GiB per node. temper's own distributed optimizer
-  (`optimizer.ShardedAdamW`) holds the fp32 master weights and moments so, split element-exactly; its gradients are in
+  (`trainers.optim.ShardedAdamW`) holds the fp32 master weights and moments so, split element-exactly; its gradients are in
   the weights' dtype (the bf16-gradient figure).
 * **Activations** (an estimate, not a measurement) with full activation recompute and sequence parallelism: each
   layer keeps its bf16 input, `2·s·b·h / tp` bytes; the layer being recomputed needs its working set, taken as

@@ -1,33 +1,34 @@
-"""`ShardedAdamW`: Megatron's distributed optimizer, on temper's terms. AdamW over fp32 main weights, the main weights
-and Adam's moments split element-exactly over the ranks that hold a parameter identically (ZeRO stage 1).
+"""`ShardedAdamW`: AdamW over fp32 main weights, the main weights and Adam's moments split element-exactly over the
+ranks that hold a parameter identically (ZeRO stage 1; Megatron's distributed optimizer, on temper's terms).
 
-Where the Megatron backend uses it (`MegatronBackend.optimizer`):
+Where the backends use it (`TrainBackend.optimizer`):
 
 * `trainer.megatron.distributed_optimizer: true`: sharded over the groups gradients are summed over, dense weights
   (and each rank's tensor-parallel shard of them) over the data-parallel group, routed experts over the
   expert-data-parallel group (the ranks holding the same expert shard);
-* `trainer.megatron.dtype: bfloat16` without it: the same fp32 main weights, unsharded (`shard=False`), as Megatron's
-  mixed-precision optimizer keeps them. Adam's update of a bf16 weight is often smaller than half its last bit; a
-  bf16 AdamW rounds it away every step, the main weight accumulates it.
+* weights below fp32 (a bf16 checkpoint on the torch or DDP backend, `trainer.megatron.dtype: bfloat16`): the same
+  fp32 main weights, unsharded (`shard=False`), as Megatron's mixed-precision optimizer keeps them. Adam's update of
+  a bf16 weight is often smaller than half its last bit; a bf16 AdamW rounds it away every step, the main weight
+  accumulates it.
 
 How, per bucket (one per param group × rank group × parameter dtype): the bucket's parameters laid end to end form a
 flat vector of N elements, cut into W equal ranges of ceil(N / W) (W: the group's size). Rank r owns range r: for each
 piece of a parameter inside it (a *segment*) it keeps an fp32 main weight and its Adam moments, in a torch AdamW
 whose parameters are the segments: for an fp32 parameter the main weight is the parameter's own slice (a view,
-updated in place), for a bf16 one an fp32 copy. `step` hands each segment the matching slice of the gradient (cast to fp32; a
-parameter without a gradient is skipped, as AdamW skips it), steps, casts the main weights to the parameter dtype and
-all-gathers the ranges into the parameters. The gradients are complete before `step` (the backend's
+updated in place), for a bf16 one an fp32 copy. `step` hands each segment the matching slice of the gradient (cast
+to fp32; a parameter without a gradient is skipped, as AdamW skips it), steps, casts the main weights to the parameter
+dtype and all-gathers the ranges into the parameters. The gradients are complete before `step` (the backend's
 `all_reduce_grads` and model-wide clip run first), so in fp32 the update is the whole AdamW's, bit for bit: every
 AdamW operation is elementwise, and a segment is a slice.
 
 A rank holds 3·ceil(N / W) fp32 elements of optimizer state per bf16 bucket (main weight and two moments), the scale
 plan's 12 bytes per parameter over the data-parallel ranks (trainers/megatron/plan.py), and 2·ceil(N / W) per fp32
-bucket (`local_state_bytes`). Weights and gradients are not
-sharded, and the gradients are all-reduced, not reduce-scattered: stage 1, not 2.
+bucket (`local_state_bytes`). Weights and gradients are not sharded, and the gradients are all-reduced, not
+reduce-scattered: stage 1, not 2.
 
 Gradients of weights in a lower precision than fp32 are accumulated in fp32 (Megatron's `main_grad`): the optimizer
 hooks each such parameter so that every backward adds its gradient, cast to fp32, into `param.main_grad` and clears
-`param.grad`. Micro-batches then sum in fp32, the backend reduces and clips the fp32 sums (`grad_of`), and the step
+`param.grad`. Micro-batches then sum in fp32, the backends reduce and clip the fp32 sums (`grad_of`), and the step
 reads them. A bf16 sum of micro-batch gradients rounds at every addition.
 
 The main weights follow the model where the model's weights change from outside (a checkpoint or `load_hf` into the
