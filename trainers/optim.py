@@ -245,8 +245,9 @@ class ShardedAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != _FORMAT or state.get("layout") != self._layout():
-            raise ValueError("ShardedAdamW: the state is not this layout's sharded optimizer (resume with the same "
-                             "trainer.megatron.distributed_optimizer, trainer.megatron.dtype and layout)")
+            raise ValueError("ShardedAdamW: the state is not this optimizer's (fp32 main weights over these "
+                             "parameters and ranks). Resume with the same model dtype (a bf16 checkpoint, "
+                             "trainer.megatron.dtype), trainer.megatron.distributed_optimizer and layout")
         for s, main in zip(self._segments(), state["main"], strict=True):
             s.main.copy_(main)
         if self._inner is not None:
