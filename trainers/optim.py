@@ -32,8 +32,8 @@ hooks each such parameter so that every backward adds its gradient, cast to fp32
 reads them. A bf16 sum of micro-batch gradients rounds at every addition.
 
 The main weights follow the model where the model's weights change from outside (a checkpoint or `load_hf` into the
-model after the optimizer was built): before each update a segment whose parameter no longer equals its main copy's
-cast takes the parameter's value.
+model after the optimizer was built): before each update every element of a bf16 weight that no longer equals its
+main weight's cast takes the weight's value (elementwise, without a host sync; an fp32 weight is its own main weight).
 
 Checkpoints: `state_dict()` is this rank's part (its segments' main weights and AdamW state), what the sharded
 training state's rank files hold (trainers/checkpoint.py); `load_state_dict` takes the same rank's part back and
@@ -197,9 +197,9 @@ class ShardedAdamW:
             for buckets in self.buckets:
                 for b in buckets:
                     for s in b.segments:
-                        cur = s.param.detach().view(-1)[s.lo:s.hi]
-                        if s.copy and not torch.equal(cur, s.main.to(cur.dtype)):  # weights changed from outside
-                            s.main.copy_(cur)
+                        if s.copy:  # where the weight changed from outside, the main weight takes its value
+                            cur = s.param.detach().view(-1)[s.lo:s.hi]
+                            s.main.copy_(torch.where(cur == s.main.to(cur.dtype), s.main, cur.to(torch.float32)))
                         g = grad_of(s.param)
                         s.main.grad = None if g is None else g.detach().reshape(-1)[s.lo:s.hi].to(torch.float32)
             self._inner.step()

@@ -133,6 +133,31 @@ def test_weights_changed_from_outside_are_taken_up():
         assert torch.equal(a, b)
 
 
+def test_bf16_weights_changed_from_outside_are_taken_up():
+    """bf16: after a step, new weights are loaded (every element moved by 1, so none still rounds from its main
+    weight); the next steps equal AdamW on fp32 copies set to those weights, moments carried on."""
+    lr = 1e-4
+    mine = _params(torch.bfloat16)
+    ref = [p.detach().float().requires_grad_() for p in mine]
+    ropt, opt = torch.optim.AdamW(ref, lr=lr), ShardedAdamW(mine, lr=lr)
+
+    def steps(salt):
+        for t in range(2):
+            for p, r, g in zip(mine, ref, _grads(t, salt=salt), strict=True):
+                p.grad, r.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
+            ropt.step()
+            opt.step()
+
+    steps(0)
+    with torch.no_grad():
+        for p, r in zip(mine, ref, strict=True):
+            p.add_(1.0)
+            r.copy_(p.float())
+    steps(3)
+    for p, r in zip(mine, ref, strict=True):
+        assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+
+
 def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match=r"\['amsgrad'\]"):
         ShardedAdamW(_params(), lr=1e-3, amsgrad=True)
