@@ -201,9 +201,13 @@ class DDPBackend(TrainBackend):
         timeout_s: float = 120.0,
         bucket_bytes: int = 32 << 20,
         device: torch.device | str | None = None,
+        distributed_optimizer: bool = False,
     ):
         self.rank, self.world_size = rank, world_size
         self.bucket_bytes = bucket_bytes
+        # ZeRO-1: fp32 main weights and Adam's moments split over the ranks (trainers/optim.py); each rank then saves
+        # its own part of the training state
+        self.distributed_optimizer = distributed_optimizer
         # nccl reduces CUDA tensors: each rank on its own GPU (its LOCAL_RANK, as torchrun sets it); gloo on the host
         # unless told otherwise ("cuda": this rank's GPU, gloo reducing CUDA tensors)
         if device is None:
@@ -224,6 +228,20 @@ class DDPBackend(TrainBackend):
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    @property
+    def sharded_state(self) -> bool:  # each rank holds its own part of the optimizer
+        return self.distributed_optimizer and self.world_size > 1
+
+    def state_layout(self) -> dict:
+        return {"world": self.world_size, "distributed_optimizer": self.distributed_optimizer}
+
+    def optimizer(self, params, **adamw) -> torch.optim.Optimizer:
+        """With `distributed_optimizer`: `ShardedAdamW` over the whole group (each rank updates ~1 / world of every
+        param group and all-gathers it); otherwise the base rule (AdamW, or fp32 main weights below fp32)."""
+        if not self.sharded_state:
+            return super().optimizer(params, **adamw)
+        return ShardedAdamW(list(params), dense_group=dist.group.WORLD, expert_group=dist.group.WORLD, **adamw)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model on this rank's device with rank 0's parameters and buffers (broadcast)."""
@@ -328,7 +346,8 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
                                timeout_s=cfg.timeout_s, experts=m.experts,
                                distributed_optimizer=m.distributed_optimizer)
     if world_size > 1:
-        be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device)
+        be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device,
+                        distributed_optimizer=cfg.distributed_optimizer)
     else:
         be = TorchBackend(device)
     be.activation_checkpointing = cfg.activation_checkpointing

@@ -380,8 +380,9 @@ def _own_part(state: TrainingState, backend) -> TrainingState:
         saved = f"{state.ranks} ranks with layout {state.layout}" if state.ranks else "one whole state (not sharded)"
         now = f"a sharded layout {here}" if here is not None else "an unsharded backend"
         raise ValueError(f"{state.path}: the training state was saved by {saved}; this run has {now}. Resume with "
-                         "the same trainer.world_size and trainer.megatron (tp, ep, etp, experts, "
-                         f"distributed_optimizer), or start a new run from its whole policy ({state.policy_path})")
+                         "the same trainer.world_size, trainer.distributed_optimizer and trainer.megatron (tp, ep, "
+                         f"etp, experts, distributed_optimizer), or start a new run from its whole policy "
+                         f"({state.policy_path})")
     import torch.distributed as dist
 
     rank = dist.get_rank()

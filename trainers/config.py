@@ -187,6 +187,9 @@ class TrainerConfig(BaseModel):
     # keep each layer's input only and recompute the layer in backward: activation memory of one layer, for about
     # one more forward (torch backends; Megatron has its own recompute settings, not wired here)
     activation_checkpointing: bool = False
+    # ZeRO-1 on the torch data-parallel backend (world_size > 1): fp32 main weights and Adam's moments split over the
+    # ranks, each rank saving its part of the training state (trainers/optim.py); Megatron: trainer.megatron's own
+    distributed_optimizer: bool = False
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
     @model_validator(mode="after")
@@ -194,6 +197,9 @@ class TrainerConfig(BaseModel):
         if self.kind == "megatron" and self.device != "auto":
             raise ValueError(f"trainer.device: {self.device} with trainer.kind=megatron (the Megatron backend places "
                              "its model itself: CUDA when there is one); leave it at auto")
+        if self.kind == "megatron" and self.distributed_optimizer:
+            raise ValueError("trainer.distributed_optimizer: the torch backends' switch; with trainer.kind=megatron "
+                             "set trainer.megatron.distributed_optimizer")
         if self.kind == "megatron" and self.activation_checkpointing:
             raise ValueError("trainer.activation_checkpointing: not available with trainer.kind=megatron (the "
                              "Megatron model runs its own layer loop)")

@@ -141,3 +141,67 @@ def test_trainer_device_places_the_model_and_names_its_key(monkeypatch):
         make_train_backend(TrainerConfig(device="cpu", dist_backend="nccl", world_size=2), 0, 2)
     with pytest.raises(ValueError, match="trainer.device: cpu with trainer.kind=megatron"):
         TrainerConfig(kind="megatron", device="cpu")
+
+
+def _zero_worker(backend: DDPBackend, ids: torch.Tensor, out: str):
+    """Two LM steps with the backend's optimizer, ZeRO-1 on and off, from the same weights; with it on, a sharded
+    training state saved after step 1 and restored into other weights and a fresh optimizer."""
+    from trainers.checkpoint import load_training_state, restore, save_training_state
+    from trainers.optim import ShardedAdamW
+
+    local = ids[2 * backend.rank : 2 * backend.rank + 2]
+    res = {}
+    for zero in (False, True):
+        backend.distributed_optimizer = zero
+        torch.manual_seed(0)
+        model = backend.wrap(Transformer(configs.load("micro").model))
+        opt = backend.optimizer(model.parameters(), lr=1e-2)
+
+        def step(m, o, rows):
+            backend.backward(next_token_loss(m(rows), rows))
+            backend.all_reduce_grads(m)
+            backend.clip_grad_norm(m, 1.0)
+            backend.step(o)
+            o.zero_grad(set_to_none=True)
+
+        step(model, opt, local)
+        if zero:
+            assert isinstance(opt, ShardedAdamW) and backend.sharded_state
+            save_training_state(out, policy=model, optimizer=opt, step=1, policy_version=2, data_cursor=0,
+                                backend=backend)
+        step(model, opt, local.flip(0))
+        res[zero] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if zero:
+            res["shard"] = opt.local_shard_numel(), sum(p.numel() for p in model.parameters())
+            torch.manual_seed(1)
+            other = backend.wrap(Transformer(configs.load("micro").model))
+            opt2 = backend.optimizer(other.parameters(), lr=1e-2)
+            restore(load_training_state(out), other, opt2, backend=backend)
+            step(other, opt2, local.flip(0))
+            res["resumed"] = {n: p.detach().clone() for n, p in other.named_parameters()}
+    backend.distributed_optimizer = False
+    return res
+
+
+def test_ddp_distributed_optimizer_steps_as_adamw_and_resumes_from_its_rank_files(tmp_path):
+    """`trainer.distributed_optimizer` on the torch data-parallel backend: each rank updates half of the weights
+    (element-exact split) and all-gathers the rest, so two steps equal the whole AdamW's bit for bit; the training
+    state is saved as rank files, and restoring it into other weights and fresh optimizers continues bit for bit."""
+    got = launch(_zero_worker, 2, _batch(), str(tmp_path / "state"))
+    for r, res in enumerate(got):
+        for n, w in res[False].items():
+            assert torch.equal(res[True][n], w), (r, n)
+            assert torch.equal(res["resumed"][n], w), (r, n)
+    (s0, total), (s1, _) = (res["shard"] for res in got)
+    assert s0 + s1 == total and abs(s0 - s1) <= 1  # one param group, one dtype: ceil(n / 2) and the rest
+    from trainers.checkpoint import load_training_state
+
+    state = load_training_state(tmp_path / "state")
+    assert state.ranks == 2 and state.layout == {"world": 2, "distributed_optimizer": True}
+
+
+def test_distributed_optimizer_key_belongs_to_the_torch_backends():
+    from trainers.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.megatron.distributed_optimizer"):
+        TrainerConfig(kind="megatron", distributed_optimizer=True)
