@@ -65,6 +65,7 @@ class TrainBackend(ABC):
         return self.rank == 0
 
     activation_checkpointing = False  # set from `trainer.activation_checkpointing` by make_train_backend
+    fp32_main_weights = True  # `trainer.fp32_main_weights`: weights below fp32 step through fp32 copies (optimizer)
     device = torch.device("cpu")  # where `wrap` puts the model (`trainer.device`)
     # True where ranks hold different parts of the training state (Megatron's shards and their optimizer moments):
     # every rank then saves and restores its own part (trainers/checkpoint.py); else the main rank saves it whole
@@ -129,7 +130,7 @@ class TrainBackend(ABC):
         data-parallel ranks."""
         params = list(params)
         flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-        if any(p.dtype != torch.float32 for p in flat):
+        if self.fp32_main_weights and any(p.dtype != torch.float32 for p in flat):
             return ShardedAdamW(params, shard=False, **adamw)
         return torch.optim.AdamW(params, **adamw)
 
@@ -156,8 +157,11 @@ class TrainBackend(ABC):
         grads = [g for g in map(grad_of, params) if g is not None]
         total = torch.nn.utils.get_total_norm(grads)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ rule
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), gs in groups.items():  # one foreach kernel per device and dtype
+            torch._foreach_mul_(gs, coef.to(device, dtype))
         return total
 
 
@@ -342,15 +346,17 @@ def make_train_backend(cfg, rank: int = 0, world_size: int = 1) -> TrainBackend:
         from trainers.megatron.backend import MegatronBackend
 
         m = cfg.megatron
-        return MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
-                               timeout_s=cfg.timeout_s, experts=m.experts,
-                               distributed_optimizer=m.distributed_optimizer)
+        be = MegatronBackend(m.tp, 1, m.ep, m.etp, dtype=getattr(_torch, m.dtype), dist_backend=kind,
+                             timeout_s=cfg.timeout_s, experts=m.experts, distributed_optimizer=m.distributed_optimizer)
+        be.fp32_main_weights = cfg.fp32_main_weights
+        return be
     if world_size > 1:
         be = DDPBackend(rank, world_size, backend=kind, timeout_s=cfg.timeout_s, device=device,
                         distributed_optimizer=cfg.distributed_optimizer)
     else:
         be = TorchBackend(device)
     be.activation_checkpointing = cfg.activation_checkpointing
+    be.fp32_main_weights = cfg.fp32_main_weights
     return be
 
 

@@ -190,6 +190,10 @@ class TrainerConfig(BaseModel):
     # ZeRO-1 on the torch data-parallel backend (world_size > 1): fp32 main weights and Adam's moments split over the
     # ranks, each rank saving its part of the training state (trainers/optim.py); Megatron: trainer.megatron's own
     distributed_optimizer: bool = False
+    # weights below fp32 (a bf16 checkpoint) step through fp32 main weights and sum their gradients in fp32: 18 bytes
+    # per parameter (bf16 weight, fp32 gradient, fp32 copy, two fp32 moments) against a bf16 AdamW's 8, which rounds
+    # away every update under half a bf16 ulp. false: that bf16 AdamW (a distributed optimizer keeps them anyway)
+    fp32_main_weights: bool = True
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
     @model_validator(mode="after")

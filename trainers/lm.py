@@ -116,7 +116,9 @@ def dense_indexer_warmup(model: Transformer, batches: Iterator[torch.Tensor], st
     params = indexer_parameters(model)
     if not params:
         raise ValueError("model has no lightning indexer (use_dsa is off)")
-    opt = torch.optim.AdamW(params, lr=lr)
+    from .backends import TorchBackend
+
+    opt = TorchBackend().optimizer(params, lr=lr)  # AdamW; fp32 main weights for bf16 ones (trainers/optim.py)
     others = [p for p in model.parameters() if all(p is not q for q in params)]
     flags = [p.requires_grad for p in others]
     for p in others:

@@ -32,8 +32,10 @@ hooks each such parameter so that every backward adds its gradient, cast to fp32
 reads them. A bf16 sum of micro-batch gradients rounds at every addition.
 
 The main weights follow the model where the model's weights change from outside (a checkpoint or `load_hf` into the
-model after the optimizer was built): before each update every element of a bf16 weight that no longer equals its
-main weight's cast takes the weight's value (elementwise, without a host sync; an fp32 weight is its own main weight).
+model after the optimizer was built): before each update, a bf16 weight whose version counter moved since the last
+step (an in-place write: `copy_`, `load_state_dict`; not a write through `.data`) has every element that no longer
+equals its main weight's cast taken into the main weight (elementwise, without a host sync). An fp32 weight is its
+own main weight.
 
 Checkpoints: `state_dict()` is this rank's part (its segments' main weights and AdamW state), what the sharded
 training state's rank files hold (trainers/checkpoint.py); `load_state_dict` takes the same rank's part back and
@@ -42,6 +44,7 @@ refuses another layout's.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +124,8 @@ class ShardedAdamW:
     `shard=False` (or groups of one rank) keeps every rank's main weights whole. `adamw`: AdamW's defaults (lr, betas,
     eps, weight_decay); `amsgrad`, `maximize` and the rest are refused."""
 
-    def __init__(self, params, *, dense_group=None, expert_group=None, shard: bool = True, **adamw):
+    def __init__(self, params, *, dense_group=None, expert_group=None, shard: bool = True,
+                 gather_chunk: int = 1 << 24, **adamw):
         extra = set(adamw) - set(_HYPER)
         if extra:
             raise ValueError(f"ShardedAdamW: AdamW options {sorted(extra)} are not supported (only {list(_HYPER)})")
@@ -129,6 +133,7 @@ class ShardedAdamW:
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self.defaults = defaults
+        self.gather_chunk = gather_chunk  # elements per rank per all-gather: bounds the step's temporary memory
         self.param_groups: list[dict] = []  # the trainers set each step's lr here; `params` are the model's
         for g in groups:
             unknown = set(g) - {"params", *_HYPER}
@@ -155,6 +160,7 @@ class ShardedAdamW:
         keep_main_grads(p for g in self.param_groups for p in g["params"])
         self._inner = torch.optim.AdamW(inner_groups, **{k: defaults[k] for k in _HYPER}) \
             if any(grp["params"] for grp in inner_groups) else None
+        self._seen = self._versions()  # each weight's version counter as this optimizer last left it
 
     @staticmethod
     def _bucket(params: list[torch.Tensor], group) -> _Bucket:
@@ -197,9 +203,9 @@ class ShardedAdamW:
             for buckets in self.buckets:
                 for b in buckets:
                     for s in b.segments:
-                        if s.copy:  # where the weight changed from outside, the main weight takes its value
-                            cur = s.param.detach().view(-1)[s.lo:s.hi]
-                            s.main.copy_(torch.where(cur == s.main.to(cur.dtype), s.main, cur.to(torch.float32)))
+                        if s.copy and s.param._version != self._seen[id(s.param)]:  # changed from outside: the
+                            cur = s.param.detach().view(-1)[s.lo:s.hi]  # main weight takes its value wherever the
+                            torch.where(cur == s.main.to(cur.dtype), s.main, cur, out=s.main)  # two now differ
                         g = grad_of(s.param)
                         s.main.grad = None if g is None else g.detach().reshape(-1)[s.lo:s.hi].to(torch.float32)
             self._inner.step()
@@ -208,26 +214,47 @@ class ShardedAdamW:
         for buckets in self.buckets:
             for b in buckets:
                 self._publish(b)
+        self._seen = self._versions()
+
+    def _versions(self) -> dict[int, int]:
+        return {id(p): p._version for g in self.param_groups for p in g["params"]}
 
     @staticmethod
-    def _publish(b: _Bucket) -> None:
-        """The bucket's parameters ← every rank's main weights, cast to the parameter dtype."""
+    def _pieces(b: _Bucket, start: int, end: int):
+        """(parameter, lo, hi, at) for each parameter piece [lo, hi) inside the bucket's flat range [start, end),
+        `at` being where the piece begins in that range."""
+        i = max(0, bisect.bisect_right(b.offsets, start) - 1)
+        while i < len(b.params) and b.offsets[i] < end:
+            off, p = b.offsets[i], b.params[i]
+            lo, hi = max(start, off) - off, min(end, off + p.numel()) - off
+            if lo < hi:
+                yield p, lo, hi, off + lo - start
+            i += 1
+
+    def _publish(self, b: _Bucket) -> None:
+        """The bucket's parameters ← every rank's main weights, cast to the parameter dtype: one all-gather per
+        `gather_chunk` elements of a rank's range, so the step's temporary memory is world × gather_chunk elements."""
         if b.numel == 0:
             return
-        dtype, device = b.params[0].dtype, b.params[0].device
         if b.group is None:
             for s in b.segments:
                 if s.copy:  # (a view was updated in place)
                     s.param.detach().view(-1)[s.lo:s.hi].copy_(s.main)
             return
-        mine = torch.zeros(b.shard, dtype=dtype, device=device)
+        dtype, device = b.params[0].dtype, b.params[0].device
+        seg = {id(s.param): s for s in b.segments}  # a rank's range is contiguous: one piece per parameter
         base = b.rank * b.shard
-        for s in b.segments:
-            mine[s.start - base:s.start - base + s.hi - s.lo] = s.main
-        flat = torch.empty(b.shard * b.world, dtype=dtype, device=device)
-        _gather(flat, mine, b.group)
-        for p, off in zip(b.params, b.offsets, strict=True):
-            p.data.copy_(flat[off:off + p.numel()].view_as(p))
+        for c0 in range(0, b.shard, self.gather_chunk):
+            n = min(self.gather_chunk, b.shard - c0)
+            mine = torch.zeros(n, dtype=dtype, device=device)
+            for p, lo, hi, at in self._pieces(b, base + c0, base + c0 + n):
+                s = seg[id(p)]
+                mine[at:at + hi - lo] = s.main[lo - s.lo:hi - s.lo]
+            out = torch.empty(n * b.world, dtype=dtype, device=device)
+            _gather(out, mine, b.group)
+            for r in range(b.world):
+                for p, lo, hi, at in self._pieces(b, r * b.shard + c0, r * b.shard + c0 + n):
+                    p.data.view(-1)[lo:hi].copy_(out[r * n + at:r * n + at + hi - lo])
 
     def _segments(self) -> list[_Segment]:
         return [s for buckets in self.buckets for b in buckets for s in b.segments]
@@ -239,7 +266,8 @@ class ShardedAdamW:
     # ---- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's part: its segments' fp32 main weights and their AdamW state, and the layout they belong to."""
-        return {"format": _FORMAT, "layout": self._layout(), "main": [s.main.clone() for s in self._segments()],
+        return {"format": _FORMAT, "layout": self._layout(),
+                "main": [s.main.clone() if s.copy else None for s in self._segments()],  # fp32: the weights
                 "inner": self._inner.state_dict() if self._inner is not None else None,
                 "hyper": [{k: g[k] for k in _HYPER} for g in self.param_groups]}
 
@@ -249,7 +277,8 @@ class ShardedAdamW:
                              "parameters and ranks). Resume with the same model dtype (a bf16 checkpoint, "
                              "trainer.megatron.dtype), trainer.megatron.distributed_optimizer and layout")
         for s, main in zip(self._segments(), state["main"], strict=True):
-            s.main.copy_(main)
+            if s.copy:
+                s.main.copy_(main)
         if self._inner is not None:
             self._inner.load_state_dict(state["inner"])
         for g, h in zip(self.param_groups, state["hyper"], strict=True):

@@ -158,6 +158,33 @@ def test_bf16_weights_changed_from_outside_are_taken_up():
         assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
 
 
+def test_a_partial_outside_change_keeps_the_other_main_weights():
+    """One element of a bf16 weight is overwritten in place: that element restarts from the new value, every other
+    keeps its fp32 main weight (a whole-weight reseed from bf16 would lose their sub-ulp progress)."""
+    lr = 1e-5
+    g = torch.Generator().manual_seed(0)
+    w = (0.009 + 0.005 * torch.rand(8, generator=g)).to(torch.bfloat16).requires_grad_()
+    opt = ShardedAdamW([w], lr=lr, weight_decay=0.0)
+    for _ in range(3):  # sub-ulp steps: the main weight moves, the bf16 weight does not
+        w.grad = torch.ones(8, dtype=torch.bfloat16)
+        opt.step()
+    main = opt._segments()[0].main.clone()
+    assert not torch.equal(main, w.detach().float())
+    with torch.no_grad():
+        w[3] = 0.5
+    w.grad = torch.zeros(8, dtype=torch.bfloat16)  # a step with zero gradient: Adam's momentum still moves it
+    ref = main.clone()
+    ref[3] = 0.5
+    ref = ref.requires_grad_()
+    ropt = torch.optim.AdamW([ref], lr=lr, weight_decay=0.0)
+    ropt.load_state_dict({"state": {0: {k: v.clone() for k, v in opt._inner.state_dict()["state"][0].items()}},
+                          "param_groups": ropt.state_dict()["param_groups"]})
+    ref.grad = torch.zeros(8)
+    ropt.step()
+    opt.step()
+    assert torch.equal(opt._segments()[0].main, ref.detach())
+
+
 def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match=r"\['amsgrad'\]"):
         ShardedAdamW(_params(), lr=1e-3, amsgrad=True)
@@ -166,7 +193,7 @@ def test_unsupported_options_are_refused():
         ShardedAdamW([{"params": p}, {"params": p[:1]}], lr=1e-3)
 
 
-def _two_ranks(backend, dtype_name: str):
+def _two_ranks(backend, dtype_name: str, chunk: int):
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
@@ -174,7 +201,7 @@ def _two_ranks(backend, dtype_name: str):
     expert = _params(dtype, seed=50 + rank, sizes=[(6,)])  # each rank its own expert, whole on that rank
     expert[0].routed_expert = True
     opt = ShardedAdamW(_groups(dense) + [{"params": expert}], lr=1e-2, dense_group=dist.group.WORLD,
-                       expert_group=solo[rank])
+                       expert_group=solo[rank], gather_chunk=chunk)
     numel = opt.local_shard_numel()
     for t in range(3):
         for p, g in zip(dense, _grads(t), strict=True):
@@ -203,9 +230,10 @@ def _reference(dtype, rank):
     return [p.detach().to(dtype) for p in dense], expert[0].detach().to(dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_ranks_split_the_state_exactly_and_step_as_one_adamw(dtype):
-    got = launch(_two_ranks, 2, dtype)
+@pytest.mark.parametrize("dtype, chunk", [("float32", 1 << 24), ("bfloat16", 4)])
+def test_two_ranks_split_the_state_exactly_and_step_as_one_adamw(dtype, chunk):
+    """`chunk` 4: a rank's range of 6 goes out in all-gathers of 4 and 2 elements."""
+    got = launch(_two_ranks, 2, dtype, chunk)
     for rank, g in enumerate(got):
         dense, expert = _reference(getattr(torch, dtype), rank)
         for a, b in zip(dense, g["dense"], strict=True):
@@ -280,6 +308,11 @@ def test_the_torch_backend_trains_bf16_weights_through_fp32_main_weights():
     opt = be.optimizer(net.parameters(), lr=1e-3)
     assert isinstance(opt, ShardedAdamW)
     assert isinstance(be.optimizer([torch.zeros(2, requires_grad=True)], lr=1e-3), torch.optim.AdamW)  # fp32 only
+    from trainers.backends import make_train_backend
+    from trainers.config import TrainerConfig
+
+    off = make_train_backend(TrainerConfig(device="cpu", fp32_main_weights=False))  # the opt-out: a bf16 AdamW
+    assert type(off.optimizer(_Net().parameters(), lr=1e-3)) is torch.optim.AdamW
     grads = {n: torch.zeros_like(r) for n, r in ref.items()}
     for x in _xs(2, 1):
         twin = _Net()  # the same weights; its grads, cast to fp32, summed by hand

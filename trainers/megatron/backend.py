@@ -99,7 +99,7 @@ class MegatronBackend(TrainBackend):
         (trainers/optim.py)."""
         from megatron.core import parallel_state as ps
 
-        if not self.distributed_optimizer and self.dtype == torch.float32:
+        if not self.distributed_optimizer:  # AdamW, or fp32 main weights below fp32 (trainer.fp32_main_weights)
             return super().optimizer(params, **adamw)
         from trainers.optim import ShardedAdamW
 

@@ -18,8 +18,8 @@ Where the numbers come from:
   parallel ranks of the parameter (the dp group for dense weights, the expert-dp group for experts). `bf16_moments`
   is Megatron's precision-aware optimizer (moments in bf16: 8 B); `offload` keeps the optimizer state in host memory
   (Megatron's `optimizer_cpu_offload`), reported as host GiB per node. temper's own distributed optimizer
-  (`trainers.optim.ShardedAdamW`) holds the fp32 master weights and moments so, split element-exactly; its gradients are in
-  the weights' dtype (the bf16-gradient figure).
+  (`trainers.optim.ShardedAdamW`) holds the fp32 master weights and moments so, split element-exactly, with fp32
+  main gradients for bf16 weights (the "fp32 grads, fp32 Adam" recipe).
 * **Activations** (an estimate, not a measurement) with full activation recompute and sequence parallelism: each
   layer keeps its bf16 input, `2·s·b·h / tp` bytes; the layer being recomputed needs its working set, taken as
   `34·s·b·h / tp` (attention and norms, the dense-transformer count) plus the MoE dispatch (`k` routed copies of each
