@@ -3,13 +3,12 @@ runs as two torchrun ranks, each saving its part of the optimizer in its own ran
 first step resumes from those files: each rank's Adam state goes on from its saved part."""
 
 import torch
-from micro_rollouts import stored_rollouts
+from micro_rollouts import alternating_warm_rollouts, stored_rollouts
 
 import configs
 import stages
 from model import load_checkpoint
 from model.checkpoint import to_hf_state
-from store import TrajectoryStore
 from trainers.checkpoint import complete_checkpoints
 
 
@@ -26,14 +25,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
 
 def test_a_zero_sao_expert_resumes_from_its_rank_files(tmp_path):
     envs, store, ro = stored_rollouts(_cfg(), tmp_path, iteration=2)
-    scored = stages.rewards(store, 2, ro["trajectory_ids"])
-    dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])
-    with TrajectoryStore(store) as st:  # alternating rewards: the random policy's steps get a signal
-        trajs = st.read(2, ids=scored["domains"][dom]["ids"])
-        for i, t in enumerate(trajs):
-            t.trajectory_id, t.reward = f"{t.trajectory_id}-r", float(i % 2)
-        st.write(trajs)
-    warm = [t.trajectory_id for t in trajs]
+    dom, warm = alternating_warm_rollouts(store, 2, ro)
 
     def expert(steps: int):
         return stages.sao_expert(_cfg(f"loop.steps={steps}", "trainer.distributed_optimizer=true"),

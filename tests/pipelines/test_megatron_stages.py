@@ -5,7 +5,7 @@ ends where the torch backend ends on the same data."""
 
 import pytest
 import torch
-from micro_rollouts import stored_rollouts
+from micro_rollouts import alternating_warm_rollouts, stored_rollouts
 
 import configs
 import stages
@@ -92,14 +92,7 @@ def test_sharded_megatron_stages_run_under_torchrun_and_resume(tmp_path):
             "sao.warmup_steps=0", "opd.untaught=none", "opd.gate_teachers=false"]
     sharded = ["trainer.world_size=2", "trainer.megatron.tp=2"]
     envs, store, ro = stored_rollouts(_cfg("torch"), tmp_path, iteration=2)
-    scored = stages.rewards(store, 2, ro["trajectory_ids"])
-    dom = max(scored["domains"], key=lambda k: scored["domains"][k]["trajectories"])
-    with TrajectoryStore(store) as st:  # alternating rewards: the random policy's step gets a signal
-        trajs = st.read(2, ids=scored["domains"][dom]["ids"])
-        for i, t in enumerate(trajs):
-            t.trajectory_id, t.reward = f"{t.trajectory_id}-r", float(i % 2)
-        st.write(trajs)
-    warm = [t.trajectory_id for t in trajs]
+    dom, warm = alternating_warm_rollouts(store, 2, ro)  # rewards 0, 1, …: the random policy's step gets a signal
 
     sft = {kind: stages.warm_start(_cfg(kind, "train.max_steps=2", *(sharded if kind == "megatron" else [])),
                                    envs, tmp_path / kind / "sft", None) for kind in ("torch", "megatron")}
