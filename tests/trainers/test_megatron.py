@@ -218,6 +218,13 @@ def test_a_deep_copy_keeps_megatron_s_parameter_marks(megatron_rank):
     c = copy.deepcopy(m)
     assert {n: dict(p.__dict__) for n, p in c.named_parameters() if p.__dict__} == marked
     assert all(p is not q for p, q in zip(m.parameters(), c.parameters()))
+    # but not an fp32 main gradient (trainers/optim.py): a copy whose parameters carried `main_grad` would read the
+    # actor's gradient as its own, and its optimizer would not hook them (keep_main_grads skips a marked parameter)
+    p0 = next(m.parameters())
+    p0.main_grad = torch.ones(p0.shape)
+    c = copy.deepcopy(m)
+    assert not any(hasattr(q, "main_grad") for q in c.parameters())
+    del p0.main_grad
 
 
 @pytest.mark.parametrize("mode,dtype", [("reference", torch.bfloat16), ("triton", torch.float32)])

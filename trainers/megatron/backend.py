@@ -24,7 +24,7 @@ from torch import nn
 from model import Transformer
 from model.checkpoint import from_hf_state, to_hf_state
 from trainers.backends import TrainBackend
-from trainers.optim import grad_of, set_grad_of
+from trainers.optim import ShardedAdamW, grad_of, set_grad_of
 
 from . import parallel
 from .convert import from_megatron, is_routed_expert, load_into, megatron_state
@@ -101,10 +101,8 @@ class MegatronBackend(TrainBackend):
 
         if not self.distributed_optimizer:  # AdamW, or fp32 main weights below fp32 (trainer.fp32_main_weights)
             return super().optimizer(params, **adamw)
-        from trainers.optim import ShardedAdamW
-
         return ShardedAdamW(params, dense_group=ps.get_data_parallel_group(),
-                            expert_group=ps.get_expert_data_parallel_group(), shard=self.distributed_optimizer, **adamw)
+                            expert_group=ps.get_expert_data_parallel_group(), **adamw)
 
     # ---- the model ------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
