@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from abc import ABC, abstractmethod
@@ -410,7 +411,14 @@ def run_torchrun(world_size: int, module_argv: list[str], on_line: Callable[[str
     return proc.returncode, list(tail)
 
 
+STOP_GRACE_S = 2.0  # when a rank fails: how long the others get to exit, then again after SIGTERM, before SIGKILL
+
+
 def _worker(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
+    # a rank dies on SIGTERM, whatever its parent ignored or blocked (a child inherits both across exec): a rank
+    # stuck in the rendezvous (its port taken, a peer gone) is stopped at once, not after the launcher's SIGKILL wait
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
@@ -430,7 +438,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
     importable by name (a module-level function: the children are started with the `spawn` method).
     Returns the per-rank results in rank order (passed back through `torch.save` files in a temporary
     directory, so tensors and plain Python objects work). A failing rank raises
-    `torch.multiprocessing.ProcessRaisedException` with its traceback, after the others are stopped.
+    `torch.multiprocessing.ProcessRaisedException` with its traceback, after the others are stopped: each gets
+    `STOP_GRACE_S` to exit, then SIGTERM, then SIGKILL after as long again (torch's own wait before SIGKILL is 30 s).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -438,9 +447,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
     try:
         for attempt in range(PORT_TRIES):
             try:
-                torch.multiprocessing.spawn(
-                    _worker, args=(fn, world_size, free_port(), out_dir, threads, args), nprocs=world_size, join=True
+                ctx = torch.multiprocessing.start_processes(
+                    _worker, args=(fn, world_size, free_port(), out_dir, threads, args), nprocs=world_size, join=False,
+                    start_method="spawn",
                 )
+                while not ctx.join(grace_period=STOP_GRACE_S):
+                    pass
                 break
             except torch.multiprocessing.ProcessRaisedException as e:
                 if attempt + 1 == PORT_TRIES or not port_taken(str(e)):

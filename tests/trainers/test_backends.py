@@ -1,6 +1,8 @@
 """Backends: two-process gloo data parallelism reproduces single-process gradients and steps, including
 parameters that get a gradient on only some ranks (MoE routing, MTP) or on none."""
 
+import signal
+
 import pytest
 import torch
 from torch import nn
@@ -122,6 +124,23 @@ def test_launch_tries_another_port_when_its_port_was_taken(squatted_port):
         launch(_rank_of, 2)
     assert tb.port_taken("code: -98, name: EADDRINUSE, message: address already in use")
     assert not tb.port_taken("RuntimeError: NaN loss")
+
+
+def _sigterm_of(backend):
+    return int(signal.getsignal(signal.SIGTERM)), signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_launched_ranks_die_on_sigterm_whatever_the_parent_ignored():
+    """A child inherits an ignored or blocked SIGTERM across exec; a launched rank resets both, so a rank stuck in the
+    rendezvous when another fails is stopped by the launcher's SIGTERM. Checked with the launching process ignoring
+    and blocking SIGTERM: each rank reports the default disposition and an empty mask."""
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        assert launch(_sigterm_of, 2) == [(int(signal.SIG_DFL), False)] * 2
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, old)
 
 
 def test_trainer_device_places_the_model_and_names_its_key(monkeypatch):
