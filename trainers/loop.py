@@ -101,6 +101,8 @@ class RLLoop:
         self._cursor = 0
         self._since_push = 0  # actor updates not yet pushed to the engine
         self._pending = 0  # pipelined mode: environments drawn for the generated-ahead batch, not trained on yet
+        self._ahead_batch: list[Trajectory] | None = None  # that batch, once generated (what a checkpoint keeps)
+        self._resumed_ahead: list[Trajectory] | None = None  # a restored one: the resumed run's first batch
         # async mode's admission control (see `_admission_limit`): episodes started and fresh batches finished in
         # this run, and the rollout thread's event loop and gate (set when a batch is done or on stop)
         self._admitted = 0
@@ -145,9 +147,15 @@ class RLLoop:
         # the trainer's own count is of updates (the lr schedule and the replay cursor follow it), not of loop steps:
         # a step that made no update is in `step` and not in it
         extra = {**(extra or {}), "trainer_updates": t.steps}
-        # a batch generated ahead is not saved: a resumed run draws its environments again, on the saved weights
+        # a batch generated ahead (pipelined mode, on the weights before this step) goes with the state, so that a
+        # resumed run trains on that very batch next, as the uninterrupted run does, and on the same environments after
+        # it; without one (another mode, the last step) the cursor is that of the environments trained on
+        cursor = self._cursor - self._pending
+        if self._ahead_batch is not None:
+            extra["ahead_batch"] = self._ahead_batch
+            cursor = self._cursor
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
-                                   data_cursor=self._cursor - self._pending, critic=t.critic,
+                                   data_cursor=cursor, critic=t.critic,
                                    critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep, backend=self.dp)
 
     def resume(self, state) -> None:
@@ -160,6 +168,10 @@ class RLLoop:
         t.steps = int(state.extra.get("trainer_updates", state.step))  # states saved before it was kept: the step
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
+        self._resumed_ahead = state.extra.get("ahead_batch") if self.dp.is_main else None
+        if self._resumed_ahead is not None and self.cfg.mode != "pipelined":
+            raise ValueError(f"loop.mode: {self.cfg.mode}, but this training state was saved by a pipelined loop with "
+                             "a batch generated ahead: resume it with loop.mode=pipelined")
         self.version = state.policy_version - 1
         self.push_weights()  # the engine starts from the restored policy, at the saved version
 
@@ -231,7 +243,8 @@ class RLLoop:
         hist: list[dict] = []
         t0 = time.perf_counter()
         thread = None
-        ahead = None  # pipelined mode: the next batch, being generated on the current weights
+        # pipelined mode: the next batch, being generated on the current weights (after a resume: the restored one)
+        ahead, self._resumed_ahead = self._resumed_ahead, None
         if self.cfg.mode == "async" and self.backend is not None:
             thread = threading.Thread(target=self._rollouts, daemon=True, name="rollouts")
             thread.start()
@@ -262,6 +275,7 @@ class RLLoop:
                 self._since_push += int(st.get("updated", False))
                 if ahead is not None:  # all of the next batch on the weights it started with, then the push
                     ahead = self._wait(ahead)
+                self._ahead_batch = ahead  # what a checkpoint taken after this step keeps
                 if (step + 1) % self.cfg.push_every == 0 and self._since_push:
                     st["push"] = self.push_weights()  # a step that changed nothing does not make a new version
                     self._since_push = 0

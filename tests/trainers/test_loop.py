@@ -213,9 +213,9 @@ class _Jittery:
         return getattr(self.inner, name)
 
 
-def _pipelined(jitter_seed: int, steps: int = 3, on_step=None):
+def _pipelined(jitter_seed: int, steps: int = 3, on_step=None, state=None):
     """The pipelined loop on the micro actor; each trajectory's reward is a fixed function of its environment and
-    visit (not of the order it finished in)."""
+    its tokens (not of the order it finished in). `state`: a training state to resume from first."""
     import zlib
 
     from rollout.backend import InProcessBackend
@@ -223,11 +223,11 @@ def _pipelined(jitter_seed: int, steps: int = 3, on_step=None):
     torch.manual_seed(0)
     actor = Transformer(configs.load("micro").model)
     specs = generate(["kv-lookup", "calc-chain"], 6, seed=3)
-    seen, visits = [], {}
+    seen = []
 
     def on_trajectory(t):
-        visits[t.env_id] = visits.get(t.env_id, -1) + 1
-        t.reward = float(zlib.crc32(f"{t.env_id}:{visits[t.env_id]}".encode()) % 2)
+        toks = [tok for s in t.segments for tok in s.tokens]
+        t.reward = float(zlib.crc32(f"{t.env_id}:{toks}".encode()) % 2)
         seen.append(t)
 
     lc = LoopConfig(mode="pipelined", batch_size=4, in_flight=4, n_slots=4, push_every=1)
@@ -236,6 +236,8 @@ def _pipelined(jitter_seed: int, steps: int = 3, on_step=None):
                   SAOConfig(critic_updates=1, staleness=2, value_pretrain_steps=1, lr=1e-3), lc,
                   on_trajectory=on_trajectory, backend=backend)
     try:
+        if state is not None:
+            loop.resume(state)
         hist = loop.run(steps, on_step)
     finally:
         backend.close()
@@ -266,21 +268,42 @@ def test_pipelined_loop_is_deterministic_and_one_version_off():
     assert _same(_snapshot(a_loop.backend.engine.model), _snapshot(a))
 
 
-def test_pipelined_loop_saves_the_cursor_of_what_it_trained_on(tmp_path):
-    """A training state saved between steps records the environments trained on, not the batch generated ahead:
-    a resumed run draws that batch again."""
+def test_a_resumed_pipelined_loop_takes_the_uninterrupted_steps(tmp_path):
+    """A training state saved after a pipelined step keeps the batch generated ahead (on the weights before that step)
+    and the cursor past it. A loop resumed from it trains on that very batch, then on the same environments with the
+    same samples, and ends on the uninterrupted run's weights, bit for bit, with the same consumption rows (that
+    batch's ids, then environments, steps and staleness). Before, a resume drew that batch again on the saved weights,
+    so its first step differed."""
     from trainers.checkpoint import load_training_state
 
     saved = []
 
-    def on_step(st):  # after the first step: the critic's batch and batch 0 used (8 draws), batch 1 generated ahead
+    def on_step(st):  # after step 1: the critic's batch and batch 0 used (8 draws), batch 1 generated ahead (12)
         if not saved:
-            running = _pipelined.loop  # the loop being run
-            saved.append(running._cursor)
+            running = _pipelined.loop
+            saved.append([t.trajectory_id for t in running._ahead_batch])
             running.save_state(tmp_path / "state", step=1)
 
-    _pipelined(jitter_seed=1, steps=3, on_step=on_step)
-    assert saved == [12] and load_training_state(tmp_path / "state").data_cursor == 8
+    whole, w_actor, w_seen, _ = _pipelined(jitter_seed=1, steps=3, on_step=on_step)
+    state = load_training_state(tmp_path / "state")
+    assert state.data_cursor == 12 and [t.trajectory_id for t in state.extra["ahead_batch"]] == saved[0]
+    again, a_actor, a_seen, a_hist = _pipelined(jitter_seed=2, steps=2, state=state)  # another finish order, too
+    assert len(a_hist) == 2 and again.loop_steps == 3 and again.version == whole.version == 3
+    assert _same(_snapshot(a_actor), _snapshot(w_actor))
+    trained = [r for r in whole.consumption if r["outcome"] == "trained"][4:]  # steps 2 and 3
+    assert [r["trajectory_id"] for r in again.consumption][:4] == saved[0] == [r["trajectory_id"] for r in trained[:4]]
+    env = {t.trajectory_id: t.env_id for t in [*w_seen, *a_seen]}
+    assert [(env[r["trajectory_id"]], r["step"], r["staleness"]) for r in again.consumption] == \
+           [(env[r["trajectory_id"]], r["step"], r["staleness"]) for r in trained]
+    # the resumed run generated only batch 2, the uninterrupted run's last batch, on the same environments and samples
+    toks = [[(t.env_id, [tok for s in t.segments for tok in s.tokens]) for t in ts] for ts in (w_seen[-4:], a_seen)]
+    assert toks[0] == toks[1]
+    with pytest.raises(ValueError, match="loop.mode: sync"):
+        loop, _, _ = _loop("sync", lambda i: 1.0)
+        try:
+            loop.resume(state)
+        finally:
+            loop.backend.close()
 
 
 def _async_jittery(tau: int, in_flight: int, steps: int, admission: bool = True, push_every: int = 1):
