@@ -194,8 +194,15 @@ def _fwd(m, ids) -> None:
 
 
 def _fwd_bwd(m, ids) -> None:
-    out = _logits(m(ids))
-    F.cross_entropy(out[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    """One forward+backward of the next-token loss: transformers' model on its whole logits, temper's as its trainers
+    compute it (`lm_forward_loss`: through the head in row chunks where the logits are large, model/losses.py)."""
+    from model import Transformer, lm_forward_loss
+
+    if isinstance(m, Transformer):
+        lm_forward_loss(m, ids)[1].backward()
+    else:
+        out = _logits(m(ids))
+        F.cross_entropy(out[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
     m.zero_grad(set_to_none=True)
 
 

@@ -6,6 +6,7 @@ from .config import ModelConfig, YarnConfig
 from .losses import (
     indexer_kl_loss,
     indexer_parameters,
+    lm_forward_loss,
     lm_loss,
     mtp_loss,
     next_token_loss,
@@ -18,6 +19,6 @@ from .transformer import ModelOutput, Transformer
 __all__ = [
     "weights_checksum",
     "ByteTokenizer", "ChatTemplate", "HFTokenizer", "KVCache", "ModelConfig", "ModelOutput", "Transformer",
-    "YarnConfig", "indexer_kl_loss", "indexer_parameters", "lm_loss", "load_checkpoint", "load_config",
+    "YarnConfig", "indexer_kl_loss", "indexer_parameters", "lm_forward_loss", "lm_loss", "load_checkpoint", "load_config",
     "mtp_loss", "next_token_loss", "read_checkpoint_meta", "rows_logprobs", "save_checkpoint", "token_logprobs",
 ]

@@ -2,6 +2,15 @@
 
 Masks mark *target* tokens: mask[b, t] says whether token t of row b is trained on (for agent turns:
 the policy's own tokens, not prompts or observations).
+
+Where a loss's logits would be large (more than `LOGITS_CHUNK` fp32 elements: 16K positions of a 32K vocabulary
+are 2 GiB, of GLM-5's 154K 9.5 GiB, and the log-softmax and its gradient as much again), temper's `Transformer`
+goes through its head in row chunks instead (`head_chunk_rows`): each chunk's `lm_head(norm(h))`, log-softmax and
+loss are computed, reduced to per-row values and dropped, then recomputed in the backward (non-reentrant
+`torch.utils.checkpoint` per chunk). No [N, V] tensor is kept for the backward. The next-token loss
+(`lm_forward_loss`), the MTP loss and `token_logprobs` (log-probabilities and entropy, what SAO and OPD train on
+and the engine rescores with) all do. Below the threshold (every CPU preset) the losses are computed on the whole
+logits as before, bit for bit. Megatron's model keeps its own head (vocabulary-parallel).
 """
 
 from __future__ import annotations
@@ -9,7 +18,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .transformer import Transformer
+import temper_kernels as kernels
+
+from .transformer import ModelOutput, Transformer
+
+LOGITS_CHUNK = 1 << 26  # fp32 logits elements (256 MiB) above which a loss goes through the head in row chunks
+
+
+def head_chunk_rows(model, rows: int) -> int | None:
+    """Rows per chunk for a loss over `rows` positions of `model`'s head, or None to compute the whole logits: chunks
+    of about `LOGITS_CHUNK` logits where the whole would exceed it, on temper's `Transformer`."""
+    if not isinstance(model, Transformer):
+        return None
+    v = model.config.vocab_size
+    return max(1, LOGITS_CHUNK // v) if rows * v > LOGITS_CHUNK else None
+
+
+def head_loss(norm, weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+              chunk: int) -> torch.Tensor:
+    """`lm_loss(linear(norm(hidden), weight), targets, mask)` (hidden [B,T,H] before the norm) through the head in
+    chunks of `chunk` rows."""
+    w = torch.ones(targets.shape, device=targets.device) if mask is None else mask.float()
+    return kernels.chunked_cross_entropy(hidden, weight, targets, chunk=chunk, norm=norm, weights=w)
+
+
+def lm_forward_loss(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **run_kw
+                    ) -> tuple[ModelOutput, torch.Tensor]:
+    """`model.run(ids, **run_kw)` and its next-token loss (`next_token_loss`), through the head in chunks where the
+    logits would be large (`head_chunk_rows`; the output's `logits` are then empty)."""
+    chunk = head_chunk_rows(model, ids.shape[0] * (ids.shape[1] - 1))
+    if chunk is None:
+        out = model.run(ids, **run_kw)
+        return out, next_token_loss(out.logits, ids, mask)
+    out = model.run(ids, logits=False, **run_kw)
+    loss = head_loss(model.norm, model.lm_head.weight, out.hidden[:, :-1], ids[:, 1:],
+                     None if mask is None else mask[:, 1:], chunk)
+    return out, loss
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,10 +72,16 @@ def token_logprobs(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor,
     a finished segment (`Engine` pure-scoring requests). Called on the same unpadded row with the same weights it
     returns the same bits (CPU kernels are deterministic for one shape), which is what makes the embedded path's
     training/inference mismatch exactly 0."""
-    logits = model(ids).float()
-    logp_all = logits[:, :-1].log_softmax(-1)
-    lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
+    chunk = head_chunk_rows(model, ids.shape[0] * (ids.shape[1] - 1))
+    if chunk is None:
+        logits = model(ids).float()
+        logp_all = logits[:, :-1].log_softmax(-1)
+        lp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    else:  # through the head in row chunks (see the module docstring)
+        hidden = model.run(ids, logits=False).hidden[:, :-1]
+        lp, ent = kernels.chunked_logprobs(hidden, model.lm_head.weight, ids[:, 1:], chunk, norm=model.norm)
+        lp, ent = lp.view(ids[:, 1:].shape), ent.view(ids[:, 1:].shape)
     z = lp.new_zeros(ids.shape[0], 1)
     return torch.cat([z, lp], 1), torch.cat([z, ent], 1)
 
@@ -78,9 +128,14 @@ def mtp_loss(
         n = t - 1 - s
         if n < 2:
             break
-        logits, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s)
-        tgt = input_ids[:, 2 + s :]
-        step_loss = lm_loss(logits[:, : n - 1], tgt, None if mask is None else mask[:, 2 + s :])
+        tgt, tmask = input_ids[:, 2 + s :], None if mask is None else mask[:, 2 + s :]
+        chunk = head_chunk_rows(model, input_ids.shape[0] * (n - 1))
+        if chunk is None:
+            logits, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s)
+            step_loss = lm_loss(logits[:, : n - 1], tgt, tmask)
+        else:  # through the head in row chunks
+            _, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s, logits=False)
+            step_loss = head_loss(model.mtp_head_norm(s), model.lm_head.weight, h[:, : n - 1], tgt, tmask, chunk)
         losses.append(step_loss * weights[s] if weights is not None else step_loss)
     if not losses:
         raise ValueError("sequence too short for the MTP loss (need at least 3 tokens)")

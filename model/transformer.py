@@ -244,11 +244,13 @@ class Transformer(nn.Module):
         slots: torch.Tensor | None = None,
         n_new: torch.Tensor | None = None,
         impl: str = "auto",
+        logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP draft step: (logits [B,T,V], hidden [B,T,H]). Position i combines hidden[i] with the
         embedding of next_ids[i] (the token after position i) and predicts the token after that. Step 0 takes the
         main model's `out.hidden` (normed first when `config.mtp_input == "post_norm"`), later steps the previous
-        step's hidden."""
+        step's hidden. `logits=False`: an empty tensor in their place (the head applied by the caller, with
+        `mtp_head_norm(step)`)."""
         if not len(self.mtp_layers):
             raise RuntimeError("this model has no MTP layer (num_nextn_predict_layers = 0)")
         layer = self.mtp_layers[min(step, len(self.mtp_layers) - 1)]
@@ -259,7 +261,11 @@ class Transformer(nn.Module):
         h = layer(hidden, self.embed_tokens(next_ids), ctx)
         if cache is not None:
             cache.mtp_lengths[slots] = end
-        return self.lm_head(layer.shared_head_norm(h)), h
+        return (self.lm_head(layer.shared_head_norm(h)) if logits else h.new_empty(0)), h
+
+    def mtp_head_norm(self, step: int = 0) -> nn.Module:
+        """The norm MTP draft step `step` applies before the shared `lm_head`."""
+        return self.mtp_layers[min(step, len(self.mtp_layers) - 1)].shared_head_norm
 
     # ---- utilities --------------------------------------------------------------------------------
     def attention_modules(self) -> list[nn.Module]:

@@ -8,7 +8,8 @@ x once and writes y once, and its backward recomputes the statistics from x.
 `chunked_cross_entropy(hidden, weight, targets)` is the lm-head + cross-entropy without the [N, V]
 logits tensor: rows go through in chunks whose logits are recomputed in the backward
 (activation checkpointing per chunk). On a 150K vocabulary this is the largest single activation of a
-training step.
+training step. `chunked_logprobs` does the same for the targets' log-probabilities and the entropy (what RL trains
+on). The model's losses use both where the logits would be large (model/losses.py).
 """
 
 from __future__ import annotations
@@ -32,22 +33,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, ignore: int) -> torch.Tensor:
-    return F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=ignore, reduction="sum")
+def _chunked(fn, chunk: int, *rows: torch.Tensor) -> list:
+    """`fn` over `chunk`-row slices of `rows` (tensors of equal length), each checkpointed when it builds a graph:
+    its intermediates (the chunk's logits) are recomputed in the backward instead of kept."""
+    out = []
+    for i in range(0, rows[0].shape[0], chunk):
+        args = [r[i : i + chunk] for r in rows]
+        out.append(checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
+    return out
 
 
-def chunked_cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk: int = 4096) -> torch.Tensor:
-    """Mean cross-entropy of `hidden [N, H] · weightᵀ` against `targets [N]` (ignore_index skipped),
-    never holding more than `chunk` rows of logits."""
+def chunked_cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk: int = 4096, *, norm=None,
+                          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of `norm(hidden) · weightᵀ` (`hidden [N, H]`, `norm` the identity when None) against
+    `targets [N]`, weighted per row by `weights` (default: 1 where the target is not `ignore_index`), never holding
+    more than `chunk` rows of logits."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, hidden.shape[0], chunk):
-        h, t = hidden[i : i + chunk], targets[i : i + chunk]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            total = total + checkpoint(_ce_chunk, h, weight, t, ignore_index, use_reentrant=False)
-        else:
-            total = total + _ce_chunk(h, weight, t, ignore_index)
-    return total / (targets != ignore_index).sum().clamp_min(1)
+    w = (targets != ignore_index).float() if weights is None else weights.reshape(-1).float()
+
+    def part(h, t, w):
+        logits = F.linear(h if norm is None else norm(h), weight).float()
+        return (F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none") * w).sum()
+
+    return torch.stack(_chunked(part, chunk, hidden, targets, w)).sum() / w.sum().clamp_min(1.0)
+
+
+def chunked_logprobs(hidden, weight, targets, chunk: int = 4096, *, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of `targets [N]`, entropy) [N] each under softmax(`norm(hidden) · weightᵀ`) in fp32, never
+    holding more than `chunk` rows of logits."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def part(h, t):
+        logp = F.linear(h if norm is None else norm(h), weight).float().log_softmax(-1)
+        return torch.stack([logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)])
+
+    lp, ent = torch.cat(_chunked(part, chunk, hidden, targets), 1).unbind(0)
+    return lp, ent
 
 
 # ---- Triton ------------------------------------------------------------------------------------------

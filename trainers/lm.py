@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import Transformer, indexer_kl_loss, indexer_parameters, mtp_loss, next_token_loss
+from model import Transformer, indexer_kl_loss, indexer_parameters, lm_forward_loss, mtp_loss
 
 from .config import TrainConfig
 
@@ -88,8 +88,9 @@ class LMTrainer:
                 steps = c.mtp_train_steps or m.config.mtp_draft_steps
                 mtp_w = [float(mask[:, 2 + s :].sum()) * w / max(1.0, float(g_mask[:, 2 + s :].sum()))
                          for s in range(steps)]
-        out = m.run(ids, dense=dense, collect_indexer=self.indexer_loss, detach_indexer_input=True)
-        loss = next_token_loss(out.logits, ids, mask) * lm_scale
+        out, loss = lm_forward_loss(m, ids, mask, dense=dense, collect_indexer=self.indexer_loss,
+                                    detach_indexer_input=True)
+        loss = loss * lm_scale
         total = loss
         mtp = torch.zeros(())
         if c.mtp_loss_weight > 0 and len(m.mtp_layers) and ids.shape[1] >= 3:

@@ -43,3 +43,21 @@ def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
     assert res["tp2"]["tp2 ep1"]["logits_rel"] <= 1e-5 and res["tp2"]["tp2 ep1"]["grad_rel_max"] <= 1e-4
     assert res["speed"]["torch"]["fwd_bwd_tok_s"] > 0 and res["speed"]["megatron_over_torch"] > 0
     assert res["speed"]["megatron_sequential_over_torch"] > 0
+
+
+def test_activation_memory_counts_each_saved_storage_once():
+    """bench/activation_memory.py's accounting against a hand count: `x * w` saves both operands (512 B each in
+    fp32), a second product of views of the same tensors saves no new storage, and `exp` saves its output."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+    from activation_memory import saved_bytes
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+
+    def fn():
+        y = (x * w).sum() + (x[:4] * w[4:]).sum()
+        return y + x.exp().sum()
+
+    total, by = saved_bytes(fn)
+    assert total == 3 * 8 * 16 * 4 and sum(by.values()) == total
