@@ -1,7 +1,7 @@
 """What one training forward keeps for its backward, counted on the CPU: the model on the `meta` device in bf16 with
 every op on its Triton branch (`temper_kernels.meta.on_meta`, the CUDA path as an H200 runs it), and every tensor
-autograd saves recorded by a saved-tensors hook (each storage once). Two losses, each with the whole logits and
-through the head in row chunks (`model.losses.head_chunk_rows`):
+autograd saves recorded by a saved-tensors hook (each storage once; the weights not counted). Two losses, each with
+the whole logits and through the head in row chunks (`model.losses.head_chunk_rows`):
 
 * the LM step: next-token loss + the MTP loss (`lm_forward_loss`, `mtp_loss`: SFT, the base recipe);
 * the policy's scoring: `token_logprobs` with its graph (log-probabilities and entropy: SAO's and OPD's actor).
@@ -31,16 +31,17 @@ from common import table  # noqa: E402
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 
 
-def saved_bytes(fn) -> tuple[int, collections.Counter]:
-    """Bytes of the storages autograd saves while `fn()` runs (each once), and their split by the project line that
-    saved them."""
+def saved_bytes(fn, exclude=()) -> tuple[int, collections.Counter]:
+    """Bytes of the storages autograd saves while `fn()` runs (each once, and none of `exclude`'s: the weights, which
+    a backward reads where they are), and their split by the project line that saved them."""
     seen: dict[int, tuple[int, str]] = {}
     keep = []
+    skip = {t.untyped_storage()._cdata for t in exclude}
 
     def pack(t: torch.Tensor):
         st = t.untyped_storage()
         key = st._cdata
-        if key not in seen:
+        if key not in seen and key not in skip:
             where = "?"
             for f in reversed(traceback.extract_stack(limit=40)):
                 if f.filename.startswith(ROOT) and "/.venv/" not in f.filename and not f.filename.endswith(
@@ -95,7 +96,7 @@ def main() -> None:
                 losses.LOGITS_CHUNK = limit
                 try:
                     with on_meta():
-                        got[mode] = saved_bytes(fn)
+                        got[mode] = saved_bytes(fn, exclude=[*m.parameters(), *m.buffers()])
                 finally:
                     losses.LOGITS_CHUNK = saved
             w, c = got["whole"][0], got["chunked"][0]

@@ -135,7 +135,26 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class _LinearFP32(torch.autograd.Function):
+    """`F.linear(x.float(), w)` for a low-precision x and an fp32 w, keeping x itself for the backward, not its fp32
+    copy (which autograd would keep: 64 MiB a layer at 16K tokens × 1,024 wide; x is kept anyway by the layers that
+    read it). The same numbers both ways as the autograd of the plain expression."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        gx = (grad @ w).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float() if ctx.needs_input_grad[1] \
+            else None
+        return gx, gw
 
 
 class Router(KeepFP32):
@@ -151,8 +170,9 @@ class Router(KeepFP32):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] → (expert ids [N, k], weights [N, k] in x's dtype)."""
         cfg = self.cfg
+        logits = F.linear(x, self.weight.float()) if x.dtype == torch.float32 else _LinearFP32.apply(x, self.weight.float())
         idx, w = kernels.route(
-            F.linear(x.float(), self.weight.float()), self.e_score_correction_bias, cfg.num_experts_per_tok,
+            logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
             cfg.n_group, cfg.topk_group, cfg.scoring_func, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         return idx, w.to(x.dtype)

@@ -20,7 +20,7 @@ reference elsewhere. The environment variable `TEMPER_KERNELS` overrides the cho
 Ops: `indexer_topk` (lightning-indexer scores fused with a deterministic top-k, fp32 or FP8 e4m3),
 `sparse_mla` (attention over the selected latent rows, forward and backward), `moe_experts` (device-side
 routing and grouped GEMM; `grouped_linear`, its grouped GEMM alone), `rms_norm`, `rope` (rotary embedding),
-`chunked_cross_entropy` and `chunked_logprobs` (the lm-head's losses without the whole logits).
+`swiglu` (silu(g) ⊙ u), `chunked_cross_entropy` and `chunked_logprobs` (the lm-head's losses without the whole logits).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def backend(*tensors: torch.Tensor) -> str:
     return "triton" if on_cuda and triton_available() else "reference"
 
 
+from .act import swiglu, swiglu_reference  # noqa: E402
 from .indexer import indexer_topk, indexer_topk_reference, stable_topk  # noqa: E402
 from .mla import sparse_mla, sparse_mla_reference  # noqa: E402
 from .moe import grouped_linear, grouped_mm_reference, moe_experts, moe_experts_reference, route  # noqa: E402
@@ -95,5 +96,7 @@ __all__ = [
     "sparse_mla",
     "sparse_mla_reference",
     "stable_topk",
+    "swiglu",
+    "swiglu_reference",
     "triton_available",
 ]

@@ -46,7 +46,7 @@ def on_meta() -> Iterator[list[str]]:
 
     import temper_kernels as tk
 
-    from . import indexer, mla, moe, norm, rotary
+    from . import act, indexer, mla, moe, norm, rotary
 
     launched: list[str] = []
     saved: list[tuple[object, str, object]] = []
@@ -56,7 +56,7 @@ def on_meta() -> Iterator[list[str]]:
         setattr(mod, name, value)
 
     try:
-        for mod in (tk, indexer, mla, moe, norm, rotary):
+        for mod in (tk, act, indexer, mla, moe, norm, rotary):
             patch(mod, "backend", lambda *tensors: "triton")
             for name, obj in list(vars(mod).items()):
                 if isinstance(obj, triton.runtime.KernelInterface):

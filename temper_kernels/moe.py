@@ -15,7 +15,8 @@ grouped GEMM over all experts:
   the same kernel on the transposed weights (dX) and a per-expert reduction kernel (dW).
 
 The unpermute places every row back at its (token, slot) position and sums the k slots of a token:
-deterministic, unlike an atomic `index_add_`.
+deterministic, unlike an atomic `index_add_`, and its backward keeps only the permutation. The SwiGLU between the two
+GEMMs is the fused `swiglu` (temper_kernels/act.py), which keeps g and u and not silu(g).
 
 `route(logits, bias, ...)` is the router's selection (sigmoid scores, the bias for selection only,
 group-limited top-k, normalised and scaled weights) written with device ops only.
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend
+from .act import swiglu
 
 
 def route(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, norm: bool, scaling: float):
@@ -85,8 +87,24 @@ def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
     ends = expert_counts(flat, e).cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)
     g, u = grouped_mm(xs, gate_up, ends).chunk(2, dim=-1)
-    ys = grouped_mm(F.silu(g) * u, down, ends) * w.reshape(-1)[order, None].to(x.dtype)
-    return torch.zeros_like(ys).index_copy(0, order, ys).view(n, k, -1).sum(1)
+    ys = grouped_mm(swiglu(g, u), down, ends) * w.reshape(-1)[order, None].to(x.dtype)
+    return _Unpermute.apply(ys, order).view(n, k, -1).sum(1)
+
+
+class _Unpermute(torch.autograd.Function):
+    """Sorted row j back to (token, slot) position order[j]: `index_copy` forward, `index_select` backward, both
+    deterministic, and only the permutation kept for the backward (autograd's `index_copy` keeps its source, the
+    rows: 128 MiB a layer at the 524M config)."""
+
+    @staticmethod
+    def forward(ctx, ys, order):
+        ctx.save_for_backward(order)
+        return torch.zeros_like(ys).index_copy_(0, order, ys)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None
 
 
 def grouped_mm(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,8 @@ class TrainBackend(ABC):
         trainers/optim.py). The Megatron backend with `trainer.megatron.distributed_optimizer` splits them over the
         data-parallel ranks."""
         params = list(params)
+        if params and isinstance(params[0], dict):  # each group's parameters read once (a generator would be used up)
+            params = [{**g, "params": list(g["params"])} for g in params]
         flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
         if self.fp32_main_weights and any(p.dtype != torch.float32 for p in flat):
             return ShardedAdamW(params, shard=False, **adamw)

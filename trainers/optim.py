@@ -254,7 +254,7 @@ class ShardedAdamW:
             _gather(out, mine, b.group)
             for r in range(b.world):
                 for p, lo, hi, at in self._pieces(b, r * b.shard + c0, r * b.shard + c0 + n):
-                    p.data.view(-1)[lo:hi].copy_(out[r * n + at:r * n + at + hi - lo])
+                    p.detach().view(-1)[lo:hi].copy_(out[r * n + at:r * n + at + hi - lo])
 
     def _segments(self) -> list[_Segment]:
         return [s for buckets in self.buckets for b in buckets for s in b.segments]

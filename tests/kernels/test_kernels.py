@@ -304,6 +304,51 @@ def test_rms_norm_kernel_forward_and_backward(triton_mode):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(7, 2, 2 * 48), (5, 2 * 1100)])  # a masked tail; two column blocks of 1,024
+def test_swiglu_kernel_forward_and_backward_on_strided_halves(triton_mode, shape):
+    """The fused SwiGLU on the two halves of one [g | u] tensor, read in place (rows strided), against the formula
+    written out by hand, forward and both gradients."""
+    g0 = torch.Generator().manual_seed(4)
+    gu = (torch.randn(*shape, generator=g0) * 3).requires_grad_()
+    g, u = gu.chunk(2, dim=-1)
+    assert g.stride(-2) == shape[-1] and not g.is_contiguous()
+    got = kernels.swiglu(g, u)
+    want = g / (1 + torch.exp(-g)) * u  # hand-written, not the twin
+    torch.testing.assert_close(got, want)
+    gout = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, gu, gout)[0], torch.autograd.grad(want, gu, gout)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_moe_keeps_only_its_rows_projections_and_activation_for_the_backward(monkeypatch):
+    """What one MoE layer's routed experts keep for the backward on the CUDA path (the `meta` device, bf16), counted
+    by a saved-tensors hook against a hand count: the sorted rows (n·k × H) for the first GEMM's weight gradient,
+    its output [g | u] (n·k × 2I) for the SwiGLU, the SwiGLU's output (n·k × I) for the second GEMM, and that
+    GEMM's output (n·k × H) for the routing weights' gradient. Not silu(g), and not a second copy of the rows for
+    the unpermute."""
+    from temper_kernels.meta import on_meta
+
+    n, k, h, i, e = 64, 4, 32, 48, 8
+    with torch.device("meta"):
+        x = torch.empty(n, h, dtype=torch.bfloat16, requires_grad=True)
+        idx = torch.empty(n, k, dtype=torch.long)
+        w = torch.empty(n, k, dtype=torch.bfloat16, requires_grad=True)
+        gu = torch.empty(e, 2 * i, h, dtype=torch.bfloat16, requires_grad=True)
+        dn = torch.empty(e, h, i, dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage()._cdata, t)
+        return t
+
+    weights = {gu.untyped_storage()._cdata, dn.untyped_storage()._cdata}
+    with on_meta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kernels.moe_experts(x, idx, w, gu, dn)
+    big = sorted(t.untyped_storage().nbytes() // 2 for key, t in seen.items()
+                 if key not in weights and t.dtype == torch.bfloat16 and t.untyped_storage().nbytes() > 2 * n * k)
+    assert big == sorted([n * k * h, n * k * 2 * i, n * k * i, n * k * h]), big
+
+
 def test_chunked_cross_entropy_equals_the_full_logits_loss():
     g = torch.Generator().manual_seed(4)
     h = torch.randn(50, 16, generator=g, requires_grad=True)

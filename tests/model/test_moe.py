@@ -94,3 +94,30 @@ def test_bias_update_moves_loads_toward_uniform(cfg_factory):
         last = imbalance()
     assert first > 2.0 and last < 0.6 * first
     assert moe.gate.e_score_correction_bias[0] < 0
+
+
+def test_bf16_router_gradients_are_the_plain_expressions_bit_for_bit(cfg_factory):
+    """A bf16 model's router computes its logits in fp32 from the bf16 input and keeps the input itself, not its
+    fp32 copy, for the backward (`_LinearFP32`). Its output and the gradients of the input and the fp32 weight are
+    autograd's of `F.linear(x.float(), w)`, bit for bit; and the saved tensors hold no fp32 copy of x."""
+    from model.layers import Router
+
+    r = Router(cfg_factory())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, r.weight.shape[1], generator=g).to(torch.bfloat16).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        idx, w = r(x)
+    assert saved and not [t for t in saved if t.dtype == torch.float32 and t.shape == x.shape]
+    # the router's own fp32 logits: through `_LinearFP32`, against the plain expression
+    from model.layers import _LinearFP32
+
+    w_a = r.weight.detach().clone().requires_grad_()
+    w_b = r.weight.detach().clone().requires_grad_()
+    out_a, out_b = _LinearFP32.apply(x, w_a), F.linear(x2.float(), w_b)
+    assert torch.equal(out_a, out_b)
+    gout = torch.randn(out_a.shape, generator=g)
+    ga, gb = torch.autograd.grad(out_a, (x, w_a), gout), torch.autograd.grad(out_b, (x2, w_b), gout)
+    assert ga[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
+    assert w.dtype == torch.bfloat16 and idx.shape == (9, r.cfg.num_experts_per_tok)

@@ -248,6 +248,43 @@ def test_two_ranks_split_the_state_exactly_and_step_as_one_adamw(dtype, chunk):
     assert [lay1[0][0][4], lay1[1][0][4], lay1[2][0][4]] == [[(6, 7), (0, 5)], [(2, 3)], [(0, 6)]]
 
 
+def _two_optimizers(backend):
+    """Phase 1 (A) then phase 2 (B) over the same bf16 weights, both built first (the base recipe's two trainers):
+    B, stepping with lr 0, must keep A's weights, so it must see that A's sharded publish changed them."""
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 10).to(torch.bfloat16))
+    a = ShardedAdamW([w], lr=0.05, weight_decay=0.0, dense_group=dist.group.WORLD)
+    b = ShardedAdamW([w], lr=0.0, weight_decay=0.0, dense_group=dist.group.WORLD)
+    start = w.detach().clone()
+    for _ in range(3):
+        w.grad = torch.ones(10, dtype=torch.bfloat16)
+        a.step()
+        a.zero_grad()
+    after_a = w.detach().clone()
+    w.grad = torch.ones(10, dtype=torch.bfloat16)
+    b.step()
+    return not torch.equal(after_a, start), torch.equal(w.detach(), after_a)
+
+
+def test_a_sharded_publish_is_seen_by_another_optimizer_of_the_same_weights():
+    """The all-gathered ranges are written so that the weights' version counters move (not through `.data`): another
+    optimizer over the same weights takes them into its main weights instead of publishing its stale copy."""
+    assert launch(_two_optimizers, 2) == [(True, True)] * 2
+
+
+def test_param_groups_given_as_generators_keep_their_parameters():
+    """`TrainBackend.optimizer` reads each group's parameters once, so a generator (`model.parameters()`) in a group is
+    not used up by its dtype check: every parameter is trained, on the fp32 path and the main-weights path."""
+    from trainers.backends import TorchBackend
+
+    for dtype in (torch.float32, torch.bfloat16):
+        m = torch.nn.Linear(3, 2).to(dtype)
+        opt = TorchBackend().optimizer([{"params": m.parameters(), "lr": 0.1}])
+        before = [p.detach().clone() for p in m.parameters()]
+        m(torch.ones(4, 3, dtype=dtype)).sum().backward()
+        opt.step()
+        assert all(not torch.equal(a, p.detach()) for a, p in zip(before, m.parameters(), strict=True)), dtype
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_gradients_of_micro_batches_sum_in_fp32(device):
     """Two backwards into a bf16 weight (two micro-batches): the step reads the fp32 sum of the two bf16 gradients,
