@@ -16,7 +16,8 @@ grouped GEMM over all experts:
 
 The unpermute places every row back at its (token, slot) position and sums the k slots of a token:
 deterministic, unlike an atomic `index_add_`, and its backward keeps only the permutation. The SwiGLU between the two
-GEMMs is the fused `swiglu` (temper_kernels/act.py), which keeps g and u and not silu(g).
+GEMMs is the fused `swiglu` (temper_kernels/act.py), which keeps g and u and not silu(g), and applies each row's
+routing weight (so the second GEMM's output is not kept for the weights' gradient).
 
 `route(logits, bias, ...)` is the router's selection (sigmoid scores, the bias for selection only,
 group-limited top-k, normalised and scaled weights) written with device ops only.
@@ -87,7 +88,7 @@ def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
     ends = expert_counts(flat, e).cumsum(0).to(torch.int32)
     xs = x.index_select(0, order // k)
     g, u = grouped_mm(xs, gate_up, ends).chunk(2, dim=-1)
-    ys = grouped_mm(swiglu(g, u), down, ends) * w.reshape(-1)[order, None].to(x.dtype)
+    ys = grouped_mm(swiglu(g, u, w.reshape(-1)[order].to(x.dtype)), down, ends)  # the routing weight on the way in
     return _Unpermute.apply(ys, order).view(n, k, -1).sum(1)
 
 

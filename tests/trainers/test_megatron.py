@@ -227,6 +227,29 @@ def test_a_deep_copy_keeps_megatron_s_parameter_marks(megatron_rank):
     del p0.main_grad
 
 
+class _Handle:
+    """Stands in for the CUDA event Megatron's all-to-all dispatcher keeps after a GPU forward (`d2h_event`): it
+    cannot be copied (a CPU build cannot make a `torch.cuda.Event`)."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy a device handle")
+
+
+def test_a_deep_copy_shares_device_handles_it_cannot_copy(megatron_rank, monkeypatch):
+    import trainers.megatron.model as mm
+    from trainers.megatron.backend import MegatronBackend
+
+    assert torch.cuda.Event in mm._SHARED_ON_COPY() and torch.cuda.Stream in mm._SHARED_ON_COPY()
+    m = MegatronBackend().wrap(_model(configs.load("micro").model))
+    layer = next(x for x in m.modules() if hasattr(x, "token_dispatcher"))
+    layer.token_dispatcher.d2h_event = h = _Handle()
+    with pytest.raises(TypeError, match="cannot copy a device handle"):
+        copy.deepcopy(m)
+    monkeypatch.setattr(mm, "EXTRA_SHARED_ON_COPY", [_Handle])
+    c = copy.deepcopy(m)
+    assert next(x for x in c.modules() if hasattr(x, "token_dispatcher")).token_dispatcher.d2h_event is h
+
+
 @pytest.mark.parametrize("mode,dtype", [("reference", torch.bfloat16), ("triton", torch.float32)])
 def test_grouped_experts_equal_megatron_s_sequential_mlp(megatron_rank, monkeypatch, mode, dtype):
     """One MoE layer's routed experts, the same weights in both modules, the counts on the host (as Megatron's

@@ -273,6 +273,17 @@ class MTPBlock(nn.Module):
         self.shared_head_norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
+def _SHARED_ON_COPY() -> tuple[type, ...]:  # noqa: N802 - a constant, computed where torch.distributed is importable
+    """What a `MegatronGLM` deep copy shares instead of copying: process groups, and the CUDA events and streams
+    Megatron's all-to-all token dispatcher keeps after a forward on a GPU (`d2h_event`), which cannot be copied."""
+    from torch.distributed import ProcessGroup
+
+    return (ProcessGroup, torch.cuda.Event, torch.cuda.Stream, *EXTRA_SHARED_ON_COPY)
+
+
+EXTRA_SHARED_ON_COPY: list[type] = []  # more handle types to share (the tests add one that cannot be copied)
+
+
 class MegatronGLM(nn.Module):
     """See the module docstring. Build with `MegatronGLM(cfg, mcfg)` after `parallel.initialize(...)`."""
 
@@ -467,10 +478,9 @@ class MegatronGLM(nn.Module):
 
     def __deepcopy__(self, memo):
         """A deep copy (SAO's critic copies the actor) that shares the process groups instead of copying them."""
-        from torch.distributed import ProcessGroup
-
-        saved = {t: copy._deepcopy_dispatch.get(t) for t in (ProcessGroup, torch.Tensor)}
-        copy._deepcopy_dispatch[ProcessGroup] = lambda pg, _memo: pg  # a group handle is not data: share it
+        saved = {t: copy._deepcopy_dispatch.get(t) for t in (*_SHARED_ON_COPY(), torch.Tensor)}
+        for t in _SHARED_ON_COPY():  # handles, not data: shared
+            copy._deepcopy_dispatch[t] = lambda h, _memo: h
         # Megatron's dispatchers keep the last forward's routing tensors (graph non-leaves): copied detached
         copy._deepcopy_dispatch[torch.Tensor] = lambda t, m: t.__deepcopy__(m) if t.is_leaf else t.detach().clone()
         try:
