@@ -19,6 +19,7 @@ leader's indices.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,38 @@ if TYPE_CHECKING:
 
 # Budget (elements) for one chunk of [heads, queries, keys] scores in the expanded / indexer paths.
 CHUNK_ELEMS = 1 << 25
+
+
+def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed query [q_nope · W_UK | q_pe] (B, T, H, kv_lora_rank + rope)."""
+    return torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)
+
+
+class _Recompute:
+    def __init__(self, fn):
+        self.fn = fn
+
+
+@contextlib.contextmanager
+def _recomputed(t: torch.Tensor, fn):
+    """Inside: an op that saves `t` for its backward saves `fn` instead, and the backward calls it to make `t` again
+    (bit for bit: the same ops on the same inputs). The sparse MLA keeps its absorbed query this way: recomputing it
+    is one small GEMM, keeping it 288 MiB a layer at the 524M config (T = 16K, 16 heads × 576)."""
+    if not (torch.is_grad_enabled() and t.requires_grad):
+        yield
+        return
+
+    def pack(x):
+        return _Recompute(fn) if x is t else x
+
+    def unpack(x):
+        if isinstance(x, _Recompute):
+            with torch.no_grad():
+                return x.fn()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 @dataclass
@@ -283,10 +316,11 @@ class MLA(nn.Module):
         b, t, H, _ = q_nope.shape
         r = cfg.kv_lora_rank
         w_uk, w_uv = self._absorb_weights()
-        q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)  # [B,T,H,r+rope]
+        q = _absorbed_query(q_nope, q_pe, w_uk)  # [B,T,H,r+rope]
         if sel is not None:  # the selected rows, read in place from the pool (no copy of the context)
             slots = ctx.slots if ctx.cache is not None else None
-            o = kernels.sparse_mla(q, pool, sel, ctx.qpos, self.scale, r, slots)
+            with _recomputed(q, lambda: _absorbed_query(q_nope.detach(), q_pe.detach(), w_uk.detach())):
+                o = kernels.sparse_mla(q, pool, sel, ctx.qpos, self.scale, r, slots)
         else:
             keys = self._gather(ctx, pool)
             s = keys.shape[1]

@@ -4,6 +4,8 @@ non-contiguous decode slots, and `impl` validation."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -40,6 +42,39 @@ def test_model_on_triton_kernels_matches_the_torch_path(cfg_factory, monkeypatch
     assert ref_grads.keys() == tri_grads.keys()
     for n in ref_grads:
         torch.testing.assert_close(tri_grads[n], ref_grads[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
+def test_the_sparse_attention_recomputes_its_absorbed_query_in_the_backward(cfg_factory, monkeypatch):
+    """The sparse MLA's absorbed query is not kept for the backward but made again there, once per sparse layer, and
+    the gradients are those of keeping it, bit for bit (the same ops on the same inputs)."""
+    import model.attention as attn
+
+    model = _model(cfg_factory).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))  # > top-k 8
+    monkeypatch.setenv("TEMPER_KERNELS", "triton")
+    made = []
+    real = attn._absorbed_query
+
+    def counted(*a):
+        made.append(torch.is_grad_enabled())
+        return real(*a)
+
+    monkeypatch.setattr(attn, "_absorbed_query", counted)
+
+    def grads():
+        model.zero_grad()
+        made.clear()
+        model.run(ids).logits.float().logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, list(made)
+
+    recomputed, made_now = grads()
+    sparse = made_now.count(True)  # the forwards' absorbed queries (the sparse layers)
+    assert sparse >= 1 and made_now.count(False) == sparse  # made once more each, in the backward
+    monkeypatch.setattr(attn, "_recomputed", lambda t, fn: contextlib.nullcontext())
+    kept, made_kept = grads()
+    assert made_kept == [True] * sparse
+    assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
 
 
 def test_bf16_cast_keeps_router_rotary_and_indexer_weights_in_fp32(cfg_factory):
