@@ -45,7 +45,7 @@ def saved_bytes(fn, exclude=()) -> tuple[int, collections.Counter]:
             where = "?"
             for f in reversed(traceback.extract_stack(limit=40)):
                 if f.filename.startswith(ROOT) and "/.venv/" not in f.filename and not f.filename.endswith(
-                        "activation_memory.py"):
+                        ("activation_memory.py", "temper_kernels/memory.py")):
                     where = f"{f.filename[len(ROOT):]}:{f.lineno}"
                     break
             seen[key] = (st.nbytes(), where)

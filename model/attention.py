@@ -19,7 +19,6 @@ leader's indices.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,32 +43,6 @@ def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor
     """MLA's absorbed query [q_nope · W_UK | q_pe] (B, T, H, kv_lora_rank + rope)."""
     return torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)
 
-
-class _Recompute:
-    def __init__(self, fn):
-        self.fn = fn
-
-
-@contextlib.contextmanager
-def _recomputed(t: torch.Tensor, fn):
-    """Inside: an op that saves `t` for its backward saves `fn` instead, and the backward calls it to make `t` again
-    (bit for bit: the same ops on the same inputs). The sparse MLA keeps its absorbed query this way: recomputing it
-    is one small GEMM, keeping it 288 MiB a layer at the 524M config (T = 16K, 16 heads × 576)."""
-    if not (torch.is_grad_enabled() and t.requires_grad):
-        yield
-        return
-
-    def pack(x):
-        return _Recompute(fn) if x is t else x
-
-    def unpack(x):
-        if isinstance(x, _Recompute):
-            with torch.no_grad():
-                return x.fn()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
 
 
 @dataclass
@@ -319,7 +292,8 @@ class MLA(nn.Module):
         q = _absorbed_query(q_nope, q_pe, w_uk)  # [B,T,H,r+rope]
         if sel is not None:  # the selected rows, read in place from the pool (no copy of the context)
             slots = ctx.slots if ctx.cache is not None else None
-            with _recomputed(q, lambda: _absorbed_query(q_nope.detach(), q_pe.detach(), w_uk.detach())):
+            # kept for the backward as a recipe, not a tensor (288 MiB a layer at the 524M config: 16K × 16 × 576)
+            with kernels.recomputed(q, lambda: _absorbed_query(q_nope.detach(), q_pe.detach(), w_uk.detach())):
                 o = kernels.sparse_mla(q, pool, sel, ctx.qpos, self.scale, r, slots)
         else:
             keys = self._gather(ctx, pool)

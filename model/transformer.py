@@ -88,17 +88,20 @@ def _checkpointed(layer: nn.Module, x: torch.Tensor, ctx: AttnContext, sel: torc
     `torch.utils.checkpoint`) under `model.layers.replaying()`, so its side effects happen once."""
     from torch.utils.checkpoint import checkpoint
 
+    from temper_kernels.memory import no_recipes
+
     calls = [0]
 
     def run(x, sel):
         calls[0] += 1
-        if calls[0] == 1:
-            return layer(x, ctx, sel)
-        token = _replaying.set(True)
-        try:
-            return layer(x, ctx, sel)
-        finally:
-            _replaying.reset(token)
+        with no_recipes():  # the checkpoint makes the layer's tensors again itself (temper_kernels/memory.py)
+            if calls[0] == 1:
+                return layer(x, ctx, sel)
+            token = _replaying.set(True)
+            try:
+                return layer(x, ctx, sel)
+            finally:
+                _replaying.reset(token)
 
     return checkpoint(run, x, sel, use_reentrant=False)
 

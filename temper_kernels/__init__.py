@@ -72,6 +72,7 @@ def backend(*tensors: torch.Tensor) -> str:
 
 from .act import swiglu, swiglu_reference  # noqa: E402
 from .indexer import indexer_topk, indexer_topk_reference, stable_topk  # noqa: E402
+from .memory import recomputed  # noqa: E402
 from .mla import sparse_mla, sparse_mla_reference  # noqa: E402
 from .moe import grouped_linear, grouped_mm_reference, moe_experts, moe_experts_reference, route  # noqa: E402
 from .norm import chunked_cross_entropy, chunked_logprobs, rms_norm, rms_norm_reference  # noqa: E402
@@ -88,6 +89,7 @@ __all__ = [
     "mode",
     "moe_experts",
     "moe_experts_reference",
+    "recomputed",
     "rms_norm",
     "route",
     "rms_norm_reference",

@@ -71,7 +71,7 @@ def test_the_sparse_attention_recomputes_its_absorbed_query_in_the_backward(cfg_
     recomputed, made_now = grads()
     sparse = made_now.count(True)  # the forwards' absorbed queries (the sparse layers)
     assert sparse >= 1 and made_now.count(False) == sparse  # made once more each, in the backward
-    monkeypatch.setattr(attn, "_recomputed", lambda t, fn: contextlib.nullcontext())
+    monkeypatch.setattr(kernels, "recomputed", lambda t, fn: contextlib.nullcontext())
     kept, made_kept = grads()
     assert made_kept == [True] * sparse
     assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
