@@ -206,6 +206,23 @@ def _fwd_bwd(m, ids) -> None:
     m.zero_grad(set_to_none=True)
 
 
+def counted_saved_gib(model, ids) -> float:
+    """What `bench/activation_memory.py` counts for this forward+backward (the trainers' next-token loss) on the
+    `meta` device: the tensors kept for the backward, without the weights. Recorded beside the measured peak, so the
+    CPU's count can be checked against the GPU."""
+    from activation_memory import saved_bytes
+
+    from model import Transformer, lm_forward_loss
+    from temper_kernels.meta import on_meta
+
+    with torch.device("meta"):  # the same config and dtype, no data (the fp32 islands stay fp32 through the cast)
+        m = Transformer(model.config).train().to(model.embed_tokens.weight.dtype)
+    ids = torch.zeros(ids.shape, dtype=torch.long, device="meta")
+    with on_meta():
+        total, _ = saved_bytes(lambda: lm_forward_loss(m, ids), exclude=[*m.parameters(), *m.buffers()])
+    return total / 2**30
+
+
 # ---- 1. model ------------------------------------------------------------------------------------------------
 def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
     sizes = ["smoke"] if smoke else sizes
@@ -223,6 +240,7 @@ def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
         peak_reset(dev)
         res["temper_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
         res["temper_fwdbwd_peak_gib"] = peak_gib(dev)
+        res["temper_fwdbwd_saved_gib_counted"] = counted_saved_gib(ours, ids)  # the CPU's count, beside the peak
         ours.activation_checkpointing = True  # trainer.activation_checkpointing: each layer recomputed in backward
         peak_reset(dev)
         res["temper_ckpt_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)

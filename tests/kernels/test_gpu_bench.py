@@ -19,7 +19,7 @@ def test_gpu_bench_smoke_writes_every_section(tmp_path):
     assert not [s for s in ("model", "decode", "parity", "profile") if "error" in res.get(s, {})], res
     smoke = res["model"]["smoke"]
     assert smoke["temper_fwd_tok_s"] > 0 and smoke["max_abs_logit_diff_vs_hf"] < 1e-4  # same weights, same logits
-    assert smoke["temper_ckpt_fwdbwd_tok_s"] > 0
+    assert smoke["temper_ckpt_fwdbwd_tok_s"] > 0 and smoke["temper_fwdbwd_saved_gib_counted"] > 0
     assert res["decode"]["batch1"]["temper_eager_tok_s"] > 0
     assert res["decode"]["fp32_fidelity"]["eager_same_as_hf"] == "2/2"  # greedy tokens, engine vs generate
     assert res["parity"]["torch.float32"]["max_abs_logit"] == 0.0  # the same fp32 model on the same device
