@@ -10,7 +10,8 @@ loss are computed, reduced to per-row values and dropped, then recomputed in the
 `torch.utils.checkpoint` per chunk). No [N, V] tensor is kept for the backward. The next-token loss
 (`lm_forward_loss`), the MTP loss and `token_logprobs` (log-probabilities and entropy, what SAO and OPD train on
 and the engine rescores with) all do. Below the threshold (every CPU preset) the losses are computed on the whole
-logits as before, bit for bit. Megatron's model keeps its own head (vocabulary-parallel).
+logits as before, bit for bit. Megatron's model goes through its tensor-parallel head the same way (each chunk's
+logits gathered over the vocabulary's ranks, and again in the backward).
 """
 
 from __future__ import annotations
@@ -27,19 +28,21 @@ LOGITS_CHUNK = 1 << 26  # fp32 logits elements (256 MiB) above which a loss goes
 
 def head_chunk_rows(model, rows: int) -> int | None:
     """Rows per chunk for a loss over `rows` positions of `model`'s head, or None to compute the whole logits: chunks
-    of about `LOGITS_CHUNK` logits where the whole would exceed it, on temper's `Transformer`."""
-    if not isinstance(model, Transformer):
+    of about `LOGITS_CHUNK` logits where the whole would exceed it, on a model that can go through its head in
+    chunks (`supports_head_chunks`: temper's `Transformer`, and Megatron's, whose head gathers the vocabulary from
+    its tensor-parallel ranks chunk by chunk)."""
+    if not getattr(model, "supports_head_chunks", False):
         return None
     v = model.config.vocab_size
     return max(1, LOGITS_CHUNK // v) if rows * v > LOGITS_CHUNK else None
 
 
-def head_loss(norm, weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+def head_loss(norm, head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
               chunk: int) -> torch.Tensor:
-    """`lm_loss(linear(norm(hidden), weight), targets, mask)` (hidden [B,T,H] before the norm) through the head in
-    chunks of `chunk` rows."""
+    """`lm_loss(head(norm(hidden)), targets, mask)` (hidden [B,T,H] before the norm; `head` the lm-head module or its
+    weight) through the head in chunks of `chunk` rows."""
     w = torch.ones(targets.shape, device=targets.device) if mask is None else mask.float()
-    return kernels.chunked_cross_entropy(hidden, weight, targets, chunk=chunk, norm=norm, weights=w)
+    return kernels.chunked_cross_entropy(hidden, head, targets, chunk=chunk, norm=norm, weights=w)
 
 
 def lm_forward_loss(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **run_kw
@@ -51,8 +54,8 @@ def lm_forward_loss(model, ids: torch.Tensor, mask: torch.Tensor | None = None, 
         out = model.run(ids, **run_kw)
         return out, next_token_loss(out.logits, ids, mask)
     out = model.run(ids, logits=False, **run_kw)
-    loss = head_loss(model.norm, model.lm_head.weight, out.hidden[:, :-1], ids[:, 1:],
-                     None if mask is None else mask[:, 1:], chunk)
+    loss = head_loss(model.norm, model.lm_head, out.hidden[:, :-1], ids[:, 1:], None if mask is None else mask[:, 1:],
+                     chunk)
     return out, loss
 
 
@@ -80,7 +83,7 @@ def token_logprobs(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor,
         ent = -(logp_all.exp() * logp_all).sum(-1)
     else:  # through the head in row chunks (see the module docstring)
         hidden = model.run(ids, logits=False).hidden[:, :-1]
-        lp, ent = kernels.chunked_logprobs(hidden, model.lm_head.weight, ids[:, 1:], chunk, norm=model.norm)
+        lp, ent = kernels.chunked_logprobs(hidden, model.lm_head, ids[:, 1:], chunk, norm=model.norm)
         lp, ent = lp.view(ids[:, 1:].shape), ent.view(ids[:, 1:].shape)
     z = lp.new_zeros(ids.shape[0], 1)
     return torch.cat([z, lp], 1), torch.cat([z, ent], 1)
@@ -135,7 +138,7 @@ def mtp_loss(
             step_loss = lm_loss(logits[:, : n - 1], tgt, tmask)
         else:  # through the head in row chunks
             _, h = model.mtp(h[:, :n], input_ids[:, 1 + s : 1 + s + n], s, logits=False)
-            step_loss = head_loss(model.mtp_head_norm(s), model.lm_head.weight, h[:, : n - 1], tgt, tmask, chunk)
+            step_loss = head_loss(model.mtp_head_norm(s), model.lm_head, h[:, : n - 1], tgt, tmask, chunk)
         losses.append(step_loss * weights[s] if weights is not None else step_loss)
     if not losses:
         raise ValueError("sequence too short for the MTP loss (need at least 3 tokens)")

@@ -111,6 +111,8 @@ class Transformer(nn.Module):
     recompute the layer in backward: activation memory of one layer instead of all, for about one more forward.
     Set by the trainer backends from `trainer.activation_checkpointing`; not part of the checkpoint."""
 
+    supports_head_chunks = True  # model/losses.py may take its losses through `lm_head(norm(h))` in row chunks
+
     activation_checkpointing: bool = False
 
     def __init__(self, config: ModelConfig):

@@ -43,16 +43,22 @@ def _chunked(fn, chunk: int, *rows: torch.Tensor) -> list:
     return out
 
 
+def _logits(h: torch.Tensor, weight, norm) -> torch.Tensor:
+    h = h if norm is None else norm(h)
+    return (weight(h) if callable(weight) else F.linear(h, weight)).float()
+
+
 def chunked_cross_entropy(hidden, weight, targets, ignore_index: int = -100, chunk: int = 4096, *, norm=None,
                           weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean cross-entropy of `norm(hidden) · weightᵀ` (`hidden [N, H]`, `norm` the identity when None) against
     `targets [N]`, weighted per row by `weights` (default: 1 where the target is not `ignore_index`), never holding
-    more than `chunk` rows of logits."""
+    more than `chunk` rows of logits. `weight`: the head's [V, H] weight, or the head itself (a module or function
+    of the normed rows giving their logits, e.g. a tensor-parallel head that gathers the vocabulary)."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     w = (targets != ignore_index).float() if weights is None else weights.reshape(-1).float()
 
     def part(h, t, w):
-        logits = F.linear(h if norm is None else norm(h), weight).float()
+        logits = _logits(h, weight, norm)
         return (F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none") * w).sum()
 
     return torch.stack(_chunked(part, chunk, hidden, targets, w)).sum() / w.sum().clamp_min(1.0)
@@ -60,11 +66,11 @@ def chunked_cross_entropy(hidden, weight, targets, ignore_index: int = -100, chu
 
 def chunked_logprobs(hidden, weight, targets, chunk: int = 4096, *, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of `targets [N]`, entropy) [N] each under softmax(`norm(hidden) · weightᵀ`) in fp32, never
-    holding more than `chunk` rows of logits."""
+    holding more than `chunk` rows of logits (`weight` as in `chunked_cross_entropy`)."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
 
     def part(h, t):
-        logp = F.linear(h if norm is None else norm(h), weight).float().log_softmax(-1)
+        logp = _logits(h, weight, norm).log_softmax(-1)
         return torch.stack([logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)])
 
     lp, ent = torch.cat(_chunked(part, chunk, hidden, targets), 1).unbind(0)

@@ -386,6 +386,35 @@ def _joined(m) -> dict[str, torch.Tensor]:
     return from_megatron({(0, 0, 0): megatron_state(m)}, m.config)
 
 
+def test_megatron_losses_through_head_chunks_equal_the_whole_logits(megatron_rank, monkeypatch):
+    """Megatron's model takes the LM step's losses (next-token and MTP) and the policy's log-probs and entropy
+    through its tensor-parallel head in row chunks as temper's does: the same values and every parameter's gradient
+    as with the whole logits."""
+    import model.losses as losses
+    from model import lm_forward_loss, mtp_loss, token_logprobs
+
+    ref = _model()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) < 0.7
+    runs = {}
+    for mode, limit in (("whole", 1 << 40), ("chunks", 13 * 272)):  # 13 rows a chunk: 78 positions in 6 chunks
+        monkeypatch.setattr(losses, "LOGITS_CHUNK", limit)
+        mg = _megatron_copy(copy.deepcopy(ref))
+        assert (losses.head_chunk_rows(mg, 78) is None) == (mode == "whole")
+        out, loss = lm_forward_loss(mg, ids, mask)
+        mtp = mtp_loss(mg, out.hidden, ids, mask, steps=1)
+        lp, ent = token_logprobs(mg, ids)
+        (loss + 0.3 * mtp + (lp * mask).sum() * 1e-2 + ent.mean()).backward()
+        runs[mode] = ([loss.detach(), mtp.detach(), lp.detach(), ent.detach()],
+                      {n: p.grad.clone() for n, p in mg.named_parameters() if p.grad is not None})
+    (vw, gw), (vc, gc) = runs["whole"], runs["chunks"]
+    for a, b in zip(vw, vc, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert gw.keys() == gc.keys() and len(gw) > 10
+    for k in gw:
+        torch.testing.assert_close(gc[k], gw[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 def test_lm_trainer_step_is_the_same_on_megatron(megatron_rank):
     ref = _model()
     mg = _megatron_copy(ref)

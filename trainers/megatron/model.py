@@ -287,6 +287,10 @@ EXTRA_SHARED_ON_COPY: list[type] = []  # more handle types to share (the tests a
 class MegatronGLM(nn.Module):
     """See the module docstring. Build with `MegatronGLM(cfg, mcfg)` after `parallel.initialize(...)`."""
 
+    # model/losses.py may take its losses through `lm_head(norm(h))` in row chunks: the head gathers each chunk's
+    # logits over the vocabulary's tensor-parallel ranks (every rank runs the same chunks)
+    supports_head_chunks = True
+
     def __init__(self, config: ModelConfig, mcfg, experts: str = "grouped"):
         super().__init__()
         ps, tpl, get_block_spec, _, ModuleSpec, build_module, TransformerBlock = _mcore()
@@ -386,7 +390,7 @@ class MegatronGLM(nn.Module):
         return self.run(input_ids, **kw).logits
 
     def mtp(self, hidden: torch.Tensor, next_ids: torch.Tensor, step: int = 0, *, impl: str = "auto",
-            **unsupported: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            logits: bool = True, **unsupported: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if unsupported:
             raise TypeError(f"MegatronGLM.mtp is a training forward (no KV cache): {', '.join(unsupported)} unsupported")
         if not len(self.mtp_layers):
@@ -401,7 +405,11 @@ class MegatronGLM(nn.Module):
         x = m.eh_proj(torch.cat([m.enorm(self.embed_tokens(next_ids)), m.hnorm(hidden)], -1))
         ctx = self._context(b, t + pad, hidden.device, hidden.dtype, impl=impl)
         h = self._blocks(lambda z, **kw: m.layer(z, attention_mask=None, **kw)[0], x, ctx, t)
-        return self.lm_head(m.shared_head_norm(h)), h
+        return (self.lm_head(m.shared_head_norm(h)) if logits else h.new_empty(0)), h
+
+    def mtp_head_norm(self, step: int = 0) -> nn.Module:
+        """The norm MTP draft step `step` applies before the shared `lm_head`."""
+        return self.mtp_layers[min(step, len(self.mtp_layers) - 1)].shared_head_norm
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The weights in HF layout (what `save_checkpoint` writes). One rank holds everything only when the model
