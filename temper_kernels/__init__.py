@@ -19,7 +19,8 @@ reference elsewhere. The environment variable `TEMPER_KERNELS` overrides the cho
 
 Ops: `indexer_topk` (lightning-indexer scores fused with a deterministic top-k, fp32 or FP8 e4m3),
 `sparse_mla` (attention over the selected latent rows, forward and backward), `moe_experts` (device-side
-routing and grouped GEMM; `grouped_linear`, its grouped GEMM alone), `rms_norm`, `rope` (rotary embedding),
+routing and grouped GEMM; `grouped_linear`, its grouped GEMM alone; `route`, the router's fused biased
+group-limited top-k), `rms_norm`, `rope` (rotary embedding),
 `swiglu` (silu(g) ⊙ u), `chunked_cross_entropy` and `chunked_logprobs` (the lm-head's losses without the whole logits).
 """
 
@@ -74,7 +75,14 @@ from .act import swiglu, swiglu_reference  # noqa: E402
 from .indexer import indexer_topk, indexer_topk_reference, stable_topk  # noqa: E402
 from .memory import recomputed  # noqa: E402
 from .mla import sparse_mla, sparse_mla_reference  # noqa: E402
-from .moe import grouped_linear, grouped_mm_reference, moe_experts, moe_experts_reference, route  # noqa: E402
+from .moe import (  # noqa: E402
+    grouped_linear,
+    grouped_mm_reference,
+    moe_experts,
+    moe_experts_reference,
+    route,
+    route_reference,
+)
 from .norm import chunked_cross_entropy, chunked_logprobs, rms_norm, rms_norm_reference  # noqa: E402
 from .rotary import rope, rope_reference  # noqa: E402
 
@@ -92,6 +100,7 @@ __all__ = [
     "recomputed",
     "rms_norm",
     "route",
+    "route_reference",
     "rms_norm_reference",
     "rope",
     "rope_reference",

@@ -34,7 +34,25 @@ from .memory import recomputed
 
 
 def route(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, norm: bool, scaling: float):
-    """logits [N, E] (fp32) → (expert ids [N, k], weights [N, k] fp32). No host sync."""
+    """logits [N, E] (fp32) → (expert ids [N, k], weights [N, k] fp32). No host sync. On the Triton path the
+    selection (the biased group-limited top-k) is one fused kernel, `_route_kernel`; the weights are read from the
+    scores with torch ops either way, so their gradient is autograd's."""
+    if backend(logits, bias) == "reference" or not _route_kernel_fits(logits.shape[-1], k, n_group, topk_group):
+        return route_reference(logits, bias, k, n_group, topk_group, scoring, norm, scaling)
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
+    idx = route_select(scores.detach(), bias, k, n_group, topk_group)
+    return idx, _route_weights(scores, idx, norm, scaling)
+
+
+def _route_weights(scores, idx, norm: bool, scaling: float):
+    w = scores.gather(1, idx)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling
+
+
+def route_reference(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, norm: bool, scaling: float):
+    """The torch twin of `route` (device ops, no host sync either)."""
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
     choice = scores + bias
     n, e = choice.shape
@@ -45,10 +63,29 @@ def route(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, nor
         gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~gmask[:, :, None].expand_as(g).reshape(n, e), float("-inf"))  # no repeat_interleave
     idx = choice.topk(k, dim=-1).indices
-    w = scores.gather(1, idx)
-    if norm:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return idx, w * scaling
+    return idx, _route_weights(scores, idx, norm, scaling)
+
+
+def _route_kernel_fits(e: int, k: int, n_group: int, topk_group: int) -> bool:
+    """The fused selection holds a token's E scores in one program (E ≤ 1024) and unrolls its k and group picks."""
+    groups_ok = n_group <= 1 or topk_group >= n_group or e % n_group == 0
+    return triton is not None and 0 < k <= min(e, 64) and e <= 1024 and groups_ok
+
+
+def route_select(scores: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """The experts a token routes to [N, k] (int64, best first): the top k of scores + bias among the experts of its
+    `topk_group` best groups (a group's score: the sum of its two best), one fused Triton kernel per call."""
+    n, e = scores.shape
+    s2, b2 = scores.float().contiguous(), bias.float().contiguous()
+    idx = torch.empty(n, k, dtype=torch.long, device=scores.device)
+    if n == 0:
+        return idx
+    limit = n_group > 1 and topk_group < n_group
+    g = n_group if limit else 1
+    eg = e // g
+    _route_kernel[(n,)](s2, b2, idx, e, eg, s2.stride(0), K=k, G=g, TOPG=topk_group if limit else 1, LIMIT=limit,
+                        BG=triton.next_power_of_2(g), BJ=triton.next_power_of_2(eg))
+    return idx
 
 
 def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -156,6 +193,39 @@ try:
     import triton.language as tl
 except Exception:  # pragma: no cover
     triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(s_ptr, b_ptr, idx_ptr, E, EG, ss, K: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr,
+                      LIMIT: tl.constexpr, BG: tl.constexpr, BJ: tl.constexpr):
+        """One token: the scores + bias laid out [groups, experts of a group]; with LIMIT, each group scored by the
+        sum of its two best, the TOPG best groups kept; then K picks of the best remaining expert (its id stored,
+        itself taken out), best first."""
+        row = tl.program_id(0)
+        gi = tl.arange(0, BG)
+        j = tl.arange(0, BJ)
+        e2 = gi[:, None] * EG + j[None, :]
+        ok = (gi[:, None] < G) & (j[None, :] < EG)
+        neg = float("-inf")
+        c = tl.load(s_ptr + row * ss + e2, mask=ok, other=0.0) + tl.load(b_ptr + e2, mask=ok, other=0.0)
+        c = tl.where(ok, c, neg)
+        if LIMIT:
+            m1 = tl.max(c, 1)
+            a1 = tl.argmax(c, 1)
+            m2 = tl.max(tl.where(j[None, :] == a1[:, None], neg, c), 1)
+            gs = tl.where(gi < G, m1 + m2, neg)
+            keep = gi < 0
+            for _ in tl.static_range(TOPG):
+                pick = tl.argmax(tl.where(keep, neg, gs), 0)
+                keep = keep | (gi == pick)
+            c = tl.where(keep[:, None], c, neg)
+        for t in tl.static_range(K):
+            best = tl.max(tl.max(c, 1), 0)
+            # the lowest expert id holding the best value (ids are unique, so one element is taken out per pick)
+            at = tl.min(tl.min(tl.where(c == best, e2, E + 1), 1), 0)
+            tl.store(idx_ptr + row * K + t, at.to(tl.int64))
+            c = tl.where(e2 == at, neg, c)
 
 BM, BN, BK = 32, 32, 32
 

@@ -291,6 +291,31 @@ def test_route_matches_the_model_router(cfg_factory):
     torch.testing.assert_close(w, w2)
 
 
+@pytest.mark.parametrize("e, k, n_group, topk_group", [(16, 3, 4, 2), (24, 5, 1, 1), (12, 2, 4, 3), (256, 8, 8, 4),
+                                                       (64, 6, 8, 8)])
+def test_route_kernel_selects_the_twin_s_experts_in_its_order(triton_mode, e, k, n_group, topk_group):
+    """The fused selection (one program a token) against `route_reference` (torch's topk over the masked groups):
+    the same experts in the same order, the same weights, and their gradient. Shapes: group-limited, no groups, a
+    group width that is not a power of two (3), GLM-5's and DeepSeek-V3's 256 experts in 8 groups keeping 4, and
+    every group kept (no limit)."""
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randn(37, e, generator=g, requires_grad=True)
+    bias = torch.randn(e, generator=g) * 0.1
+    idx, w = kmoe.route(logits, bias, k, n_group, topk_group, "sigmoid", True, 2.5)
+    ridx, rw = kmoe.route_reference(logits, bias, k, n_group, topk_group, "sigmoid", True, 2.5)
+    assert idx.dtype == torch.long and torch.equal(idx, ridx)
+    torch.testing.assert_close(w, rw)
+    gw = torch.randn(w.shape, generator=g)
+    torch.testing.assert_close(torch.autograd.grad(w, logits, gw)[0], torch.autograd.grad(rw, logits, gw)[0])
+    if n_group > 1 and topk_group < n_group:  # every pick within the kept groups, by the groups' top-2 sums
+        choice = (logits.detach().sigmoid() + bias).view(37, n_group, -1)
+        kept = choice.topk(2, -1).values.sum(-1).topk(topk_group, -1).indices
+        assert all(set((idx[t] // (e // n_group)).tolist()) <= set(kept[t].tolist()) for t in range(37))
+    # ties (a zero-initialised router scores every expert alike) go to the lowest group and expert ids
+    tied, _ = kmoe.route(torch.zeros(3, e), torch.zeros(e), k, n_group, topk_group, "sigmoid", True, 2.5)
+    assert tied.tolist() == [list(range(k))] * 3
+
+
 # ---- RMSNorm, chunked cross-entropy ---------------------------------------------------------------------------
 def test_rms_norm_kernel_forward_and_backward(triton_mode):
     g = torch.Generator().manual_seed(3)
