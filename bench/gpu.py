@@ -441,6 +441,38 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
         both("rotary (rope) forward", lambda: krope.rope_reference(qf[..., 128:], cs, sn, True),
              lambda: kernels.rope(qf[..., 128:], cs, sn, True), nbytes=2 * b_ * t_ * h_ * r_ * qf.element_size(),
              check=lambda: f"max |Δ| vs fp32 {err:.1e}")
+    # SwiGLU with the routing weight, forward+backward, on the experts' rows (16K tokens × top-4, width 704) read in
+    # place from their [g | u]
+    m_, i_ = (64, 48) if smoke else (65536, 704)
+    gu_rows = torch.randn(m_, 2 * i_, device=dev, generator=g).to(dtype).requires_grad_()
+    rw = torch.rand(m_, device=dev, generator=g).to(dtype).requires_grad_()
+    dy_s = torch.randn(m_, i_, device=dev, generator=g).to(dtype)
+
+    def swiglu_fb(ref: bool):
+        gg, uu = gu_rows.chunk(2, -1)
+        y = kernels.swiglu_reference(gg, uu, rw) if ref else kernels.swiglu(gg, uu, rw)
+        y.backward(dy_s)
+        gu_rows.grad = rw.grad = None
+
+    with torch.no_grad(), kernel_mode("triton"):
+        gg, uu = gu_rows.chunk(2, -1)
+        err_s = (kernels.swiglu(gg, uu, rw).float() - kernels.swiglu_reference(gg.float(), uu.float(),
+                                                                               rw.float())).abs().max().item()
+    both("SwiGLU (routing weight) fwd+bwd", lambda: swiglu_fb(True), lambda: swiglu_fb(False),
+         nbytes=(2 * m_ * 2 * i_ + 2 * m_ * i_) * gu_rows.element_size(), check=lambda: f"max |Δ| vs fp32 {err_s:.1e}")
+    # the router's selection: 16K tokens, GLM-5's 256 experts in 8 groups keeping 4, top-8
+    n_, e_ = (64, 32) if smoke else (16384, 256)
+    lg = torch.randn(n_, e_, device=dev, generator=g)
+    rb = torch.randn(e_, device=dev, generator=g) * 0.1
+    with torch.no_grad():
+        with kernel_mode("triton"):
+            ri_t, _ = kernels.route(lg, rb, 8, 8, 4, "sigmoid", True, 2.5)
+        ri_r, _ = kmoe.route_reference(lg, rb, 8, 8, 4, "sigmoid", True, 2.5)
+        same = (ri_t == ri_r).all(-1).float().mean().item()
+        both("router selection (256 experts, 8 groups, top-8)",
+             lambda: kmoe.route_reference(lg, rb, 8, 8, 4, "sigmoid", True, 2.5),
+             lambda: kernels.route(lg, rb, 8, 8, 4, "sigmoid", True, 2.5), nbytes=lg.numel() * 4,
+             check=lambda: f"same experts and order: {100 * same:.1f}% of tokens")
     table("kernels vs torch references", ["kernel", "reference ms", "triton ms", "speed-up", "rate (% of H200 peak)",
                                           "check"], rows)
 
