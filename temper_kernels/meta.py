@@ -21,10 +21,16 @@ import torch
 
 class FakeLaunch:
     """Stands in for a Triton kernel: `kernel[grid](*args)` records the kernel's name after checking that the grid
-    is host ints and that every tensor argument is on the meta device."""
+    is host ints and that every tensor argument is on the meta device. With `compile_for` (a Triton `GPUTarget`) it
+    also compiles the kernel for that GPU, once per specialisation (argument dtypes and constexpr values), ahead of
+    time and without one (Triton's own compiler and ptxas): `compiled` maps each specialisation to {"error": None or
+    the compiler's message, "shared": the shared memory it needs per block, in bytes}."""
 
-    def __init__(self, name: str, launched: list[str]):
+    def __init__(self, name: str, launched: list[str], fn=None, compile_for=None, compiled: dict | None = None,
+                 originals=None):
         self.name, self.launched = name, launched
+        self.fn, self.compile_for, self.compiled = fn, compile_for, compiled
+        self.originals = originals  # a context in which the modules hold their real kernels (and jitted helpers)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -35,13 +41,60 @@ class FakeLaunch:
             if not devices <= {"meta"}:
                 raise AssertionError(f"{self.name}: tensor arguments on {sorted(devices)}, not the device")
             self.launched.append(self.name)
+            if self.compile_for is not None:
+                self._compile(args, kwargs)
         return launch
+
+    def _compile(self, args, kwargs) -> None:
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+
+        launch = ("num_warps", "num_stages", "num_ctas")
+        options = {k: v for k, v in kwargs.items() if k in launch}
+        kwargs = {k: v for k, v in kwargs.items() if k not in launch}
+        values = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
+        const = {p.name for p in self.fn.params if p.is_constexpr}
+        signature, constexprs = {}, {}
+        for name in self.fn.arg_names:
+            v = values.get(name)
+            if name in const:
+                signature[name], constexprs[name] = "constexpr", v
+            else:
+                signature[name] = _triton_type(v)
+        key = (self.name, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+               tuple(sorted(options.items())))
+        if key in self.compiled:
+            return
+        try:
+            with self.originals():  # the kernel's jitted helpers (`_query`, ...) resolve to themselves, not fakes
+                k = triton_compile(ASTSource(fn=self.fn, signature=signature, constexprs=constexprs),
+                                   target=self.compile_for, options=options)
+            self.compiled[key] = {"error": None, "shared": k.metadata.shared}
+        except Exception as e:  # the compiler's message, for the report
+            self.compiled[key] = {"error": f"{type(e).__name__}: {e}", "shared": None}
+
+
+_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+                  torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+                  torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def _triton_type(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return "*" + _TRITON_DTYPES[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2**31) <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"a kernel argument of type {type(v).__name__}")
 
 
 @contextlib.contextmanager
-def on_meta() -> Iterator[list[str]]:
+def on_meta(compile_for=None, compiled: dict | None = None) -> Iterator[list[str]]:
     """Every temper kernel op takes its Triton branch and launches a `FakeLaunch`; restored on exit. Yields the list
-    the launches append their kernel names to."""
+    the launches append their kernel names to. `compile_for`, `compiled`: see `FakeLaunch`."""
     import triton.runtime
 
     import temper_kernels as tk
@@ -55,12 +108,24 @@ def on_meta() -> Iterator[list[str]]:
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, value)
 
+    @contextlib.contextmanager
+    def originals():
+        now = [(mod, name, getattr(mod, name)) for mod, name, _ in saved]
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+        try:
+            yield
+        finally:
+            for mod, name, value in now:
+                setattr(mod, name, value)
+
     try:
         for mod in (tk, act, indexer, mla, moe, norm, rotary):
             patch(mod, "backend", lambda *tensors: "triton")
             for name, obj in list(vars(mod).items()):
                 if isinstance(obj, triton.runtime.KernelInterface):
-                    patch(mod, name, FakeLaunch(name, launched))
+                    patch(mod, name, FakeLaunch(name, launched, obj, compile_for, compiled if compiled is not None
+                                                else {}, originals))
         # as on a Hopper GPU: `torch._grouped_mm` in bf16 (it has a meta kernel), else the Triton grouped GEMM and its
         # device-built schedule
         patch(moe, "_torch_grouped_ok", lambda xs, w: hasattr(torch, "_grouped_mm") and xs.dtype == w.dtype ==
