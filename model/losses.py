@@ -1,17 +1,18 @@
 """Losses: masked next-token cross-entropy, the MTP loss, the DSA indexer KL loss.
 
-Masks mark *target* tokens: mask[b, t] says whether token t of row b is trained on (for agent turns:
-the policy's own tokens, not prompts or observations).
+Masks mark *target* tokens: mask[b, t] says whether token t of row b is trained on (for agent turns: the policy's
+own tokens, not prompts or observations).
 
-Where a loss's logits would be large (more than `LOGITS_CHUNK` fp32 elements: 16K positions of a 32K vocabulary
-are 2 GiB, of GLM-5's 154K 9.5 GiB, and the log-softmax and its gradient as much again), temper's `Transformer`
-goes through its head in row chunks instead (`head_chunk_rows`): each chunk's `lm_head(norm(h))`, log-softmax and
-loss are computed, reduced to per-row values and dropped, then recomputed in the backward (non-reentrant
+Where a loss's logits would be large (more than `LOGITS_CHUNK` fp32 elements: 16K positions of a 32K vocabulary are
+2 GiB, of GLM-5's 154K 9.5 GiB, and the log-softmax and its gradient as much again), temper's `Transformer` goes
+through its head in row chunks instead (`head_chunk_rows`): each chunk's `lm_head(norm(h))`, log-softmax and loss
+are computed, reduced to per-row values and dropped, then recomputed in the backward (non-reentrant
 `torch.utils.checkpoint` per chunk). No [N, V] tensor is kept for the backward. The next-token loss
-(`lm_forward_loss`), the MTP loss and `token_logprobs` (log-probabilities and entropy, what SAO and OPD train on
-and the engine rescores with) all do. Below the threshold (every CPU preset) the losses are computed on the whole
-logits as before, bit for bit. Megatron's model goes through its tensor-parallel head the same way (each chunk's
-logits gathered over the vocabulary's ranks, and again in the backward).
+(`lm_forward_loss`), the MTP loss, `token_logprobs` (log-probabilities and entropy, what SAO and OPD train on and
+the engine rescores with) and `next_token_kl` (SAO's replay anchor) all do. Below the threshold (every CPU preset)
+the losses are computed on the whole logits as before, bit for bit. Megatron's model goes through its
+tensor-parallel head the same way (each chunk's logits gathered over the vocabulary's ranks, and again in the
+backward).
 """
 
 from __future__ import annotations
@@ -103,6 +104,22 @@ def rows_logprobs(model: Transformer, ids: torch.Tensor, lengths: list[int] | No
         lps.append(F.pad(lp, (0, width - n)))
         ents.append(F.pad(ent, (0, width - n)))
     return torch.cat(lps), torch.cat(ents)
+
+
+def next_token_kl(ref, model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Σ over the next-token positions `positions` (bool [T − 1] of one row `ids` [1, T]: position p predicts token
+    p + 1) of KL(π_ref(· | prefix) ‖ π(· | prefix)) over the vocabulary; `ref` frozen (no gradient). Through both
+    heads in row chunks where the logits would be large (`head_chunk_rows`), else on the whole logits."""
+    chunk = head_chunk_rows(model, int(ids.shape[1]) - 1)
+    if chunk is None or not getattr(ref, "supports_head_chunks", False):
+        with torch.no_grad():
+            lref = ref(ids).float()[:, :-1].log_softmax(-1)[0][positions]
+        lp = model(ids).float()[:, :-1].log_softmax(-1)[0][positions]
+        return (lref.exp() * (lref - lp)).sum()
+    with torch.no_grad():
+        href = ref.run(ids, logits=False).hidden[0, :-1][positions]
+    h = model.run(ids, logits=False).hidden[0, :-1][positions]
+    return kernels.chunked_kl(h, model.lm_head, href, ref.lm_head, chunk, norm=model.norm, ref_norm=ref.norm)
 
 
 def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None):

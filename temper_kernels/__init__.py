@@ -83,12 +83,13 @@ from .moe import (  # noqa: E402
     route,
     route_reference,
 )
-from .norm import chunked_cross_entropy, chunked_logprobs, rms_norm, rms_norm_reference  # noqa: E402
+from .norm import chunked_cross_entropy, chunked_kl, chunked_logprobs, rms_norm, rms_norm_reference  # noqa: E402
 from .rotary import rope, rope_reference  # noqa: E402
 
 __all__ = [
     "backend",
     "chunked_cross_entropy",
+    "chunked_kl",
     "chunked_logprobs",
     "grouped_linear",
     "grouped_mm_reference",

@@ -209,6 +209,7 @@ if triton is not None:
         ok = (gi[:, None] < G) & (j[None, :] < EG)
         neg = float("-inf")
         c = tl.load(s_ptr + row * ss + e2, mask=ok, other=0.0) + tl.load(b_ptr + e2, mask=ok, other=0.0)
+        c = tl.where(c != c, float("inf"), c)  # NaN ranks above every number, as in torch's topk
         c = tl.where(ok, c, neg)
         if LIMIT:
             m1 = tl.max(c, 1)
@@ -216,16 +217,21 @@ if triton is not None:
             m2 = tl.max(tl.where(j[None, :] == a1[:, None], neg, c), 1)
             gs = tl.where(gi < G, m1 + m2, neg)
             keep = gi < 0
-            for _ in tl.static_range(TOPG):
-                pick = tl.argmax(tl.where(keep, neg, gs), 0)
+            for _ in tl.static_range(TOPG):  # the best group not kept yet, the lowest id on a tie
+                free = (gi < G) & ~keep
+                top = tl.max(tl.where(free, gs, neg), 0)
+                pick = tl.min(tl.where(free & (gs == top), gi, BG + 1), 0)
                 keep = keep | (gi == pick)
             c = tl.where(keep[:, None], c, neg)
+        # what is still to pick: real experts not picked yet (a -inf score, from the group mask or the bias, is still
+        # pickable, as `topk` returns it when fewer than K are finite; a picked one never is again)
+        avail = ok
         for t in tl.static_range(K):
-            best = tl.max(tl.max(c, 1), 0)
-            # the lowest expert id holding the best value (ids are unique, so one element is taken out per pick)
-            at = tl.min(tl.min(tl.where(c == best, e2, E + 1), 1), 0)
+            best = tl.max(tl.max(tl.where(avail, c, neg), 1), 0)
+            # the lowest expert id holding the best value among those still to pick
+            at = tl.min(tl.min(tl.where(avail & (c == best), e2, E + 1), 1), 0)
             tl.store(idx_ptr + row * K + t, at.to(tl.int64))
-            c = tl.where(e2 == at, neg, c)
+            avail = avail & (e2 != at)
 
 BM, BN, BK = 32, 32, 32
 

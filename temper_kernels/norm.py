@@ -77,6 +77,22 @@ def chunked_logprobs(hidden, weight, targets, chunk: int = 4096, *, norm=None) -
     return lp, ent
 
 
+def chunked_kl(hidden, weight, ref_hidden, ref_weight, chunk: int = 4096, *, norm=None, ref_norm=None) -> torch.Tensor:
+    """Σ over rows of KL(p_ref ‖ p) over the vocabulary, p = softmax(`norm(hidden) · weightᵀ`) and p_ref the same of
+    the `ref_*` arguments (a frozen reference: no gradient flows to it), never holding more than `chunk` rows of
+    either's logits (`weight`, `ref_weight` as in `chunked_cross_entropy`)."""
+    hidden, ref_hidden = hidden.reshape(-1, hidden.shape[-1]), ref_hidden.reshape(-1, ref_hidden.shape[-1])
+
+    def part(h, hr):
+        lp = _logits(h, weight, norm).log_softmax(-1)
+        with torch.no_grad():
+            lr = _logits(hr, ref_weight, ref_norm).log_softmax(-1)
+        return (lr.exp() * (lr - lp)).sum()
+
+    parts = _chunked(part, chunk, hidden, ref_hidden.detach())
+    return torch.stack(parts).sum() if parts else hidden.new_zeros((), dtype=torch.float32)
+
+
 # ---- Triton ------------------------------------------------------------------------------------------
 try:
     import triton

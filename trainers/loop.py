@@ -168,8 +168,9 @@ class RLLoop:
         t.steps = int(state.extra.get("trainer_updates", state.step))  # states saved before it was kept: the step
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
-        self._resumed_ahead = state.extra.get("ahead_batch") if self.dp.is_main else None
-        if self._resumed_ahead is not None and self.cfg.mode != "pipelined":
+        ahead = state.extra.get("ahead_batch")
+        self._resumed_ahead = ahead if self.dp.is_main else None  # (rank 0 hands every batch to the others)
+        if ahead is not None and self.cfg.mode != "pipelined":  # on every rank: none goes on to wait for the others
             raise ValueError(f"loop.mode: {self.cfg.mode}, but this training state was saved by a pipelined loop with "
                              "a batch generated ahead: resume it with loop.mode=pipelined")
         self.version = state.policy_version - 1

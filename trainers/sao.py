@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from model import Transformer, rows_logprobs, token_logprobs  # noqa: F401 - token_logprobs re-exported
+from model.losses import next_token_kl
 from rollout.types import Trajectory
 
 from .advantages import adaptive_lambda, gae, grpo_advantages, returns, split_by_segments
@@ -56,11 +57,6 @@ class Critic(nn.Module):
         h = self.body.norm(self.body.run(ids, logits=False).hidden)
         v = self.head(h).squeeze(-1)
         return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], 1)
-
-
-def _next_logp(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """log π(· | prefix) over the vocabulary [B, T − 1, V]: position p predicts token p + 1."""
-    return model(ids).float()[:, :-1].log_softmax(-1)
 
 
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
@@ -297,13 +293,10 @@ class SAOTrainer:
         total = tokens = 0.0
         for i in self._share(pick):
             ids, m = rows.ids[i:i + 1, :rows.lengths[i]], rows.mask[i, 1:rows.lengths[i]]
-            with torch.no_grad():
-                lref = _next_logp(self.ref, ids)[0][m]
-            lp = _next_logp(self.actor, ids)[0][m]
-            kl = (lref.exp() * (lref - lp)).sum()
+            kl = next_token_kl(self.ref, self.actor, ids, m)  # through the heads in row chunks where V·T is large
             (self.cfg.replay_coef * kl / max(n, 1.0)).backward()
             total += float(kl.detach())
-            tokens += lref.shape[0]
+            tokens += int(m.sum())
         return total, float(tokens)
 
     # ---- updates ----------------------------------------------------------------------------------

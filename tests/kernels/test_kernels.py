@@ -314,6 +314,20 @@ def test_route_kernel_selects_the_twin_s_experts_in_its_order(triton_mode, e, k,
     # ties (a zero-initialised router scores every expert alike) go to the lowest group and expert ids
     tied, _ = kmoe.route(torch.zeros(3, e), torch.zeros(e), k, n_group, topk_group, "sigmoid", True, 2.5)
     assert tied.tolist() == [list(range(k))] * 3
+    # a NaN score ranks first (as in topk), a whole NaN row still gives k distinct real experts, and experts barred by
+    # a -inf bias are picked last and never twice
+    bad = torch.randn(3, e, generator=g)
+    bad[0, e // 2] = float("nan")
+    bad[1] = float("nan")
+    barred = torch.zeros(e)
+    barred[1:] = float("-inf")
+    for lg, b in ((bad, bias), (torch.randn(3, e, generator=g), barred)):
+        got, _ = kmoe.route(lg, b, k, n_group, topk_group, "sigmoid", True, 2.5)
+        assert all(len(set(r)) == k and min(r) >= 0 and max(r) < e for r in got.tolist())
+        if lg is bad:
+            assert got[0, 0] == e // 2
+        else:  # only expert 0 is finite: it comes first, then -inf experts
+            assert (got[:, 0] == 0).all()
 
 
 # ---- RMSNorm, chunked cross-entropy ---------------------------------------------------------------------------

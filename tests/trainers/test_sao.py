@@ -153,7 +153,6 @@ def test_a_bf16_policy_and_critic_train_through_fp32_main_weights():
     main weights (trainers/optim.py), their bf16 weights' gradients land in fp32 `main_grad`s, and a step moves
     both."""
     from trainers.optim import ShardedAdamW
-    from trainers.sao import _next_logp
 
     cfg = configs.load("micro").model
     torch.manual_seed(0)
@@ -164,7 +163,7 @@ def test_a_bf16_policy_and_critic_train_through_fp32_main_weights():
     for i in range(4):  # on-policy: the rollout log-probs are the actor's own, so the ratio is 1 and nothing clips
         toks = torch.randint(0, 200, (16,)).tolist()
         with torch.no_grad():
-            lp = _next_logp(tr.actor, torch.tensor([toks]))[0]
+            lp = tr.actor(torch.tensor([toks])).float()[0, :-1].log_softmax(-1)
         logps = [float(lp[j - 1, t]) if m else 0.0 for j, (t, m) in enumerate(zip(toks, mask, strict=True))]
         seg = Segment(toks, mask, logps, [3 if m else -1 for m in mask])
         trajs.append(Trajectory("t", "e", "f", "math", "h", "v", 0, [seg], float(i % 2), "completed"))
