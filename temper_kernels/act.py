@@ -50,7 +50,7 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_fwd(g_ptr, u_ptr, r_ptr, y_ptr, W, sg, su, sy, HAS_R: tl.constexpr, BI: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         c = tl.program_id(1) * BI + tl.arange(0, BI)
         m = c < W
         g = tl.load(g_ptr + row * sg + c, mask=m, other=0.0).to(tl.float32)
@@ -63,7 +63,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_bwd(g_ptr, u_ptr, r_ptr, dy_ptr, dg_ptr, du_ptr, drp_ptr, W, NB, sg, su, sdy, sd,
                     HAS_R: tl.constexpr, BI: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         blk = tl.program_id(1)
         c = blk * BI + tl.arange(0, BI)
         m = c < W

@@ -154,7 +154,7 @@ if triton is not None:
 
     @triton.jit
     def _topk_kernel(key_ptr, out_ptr, S, TOPK, s_row, so_row, K: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         offs = tl.arange(0, K)
         lowest = -9223372036854775807 - 1
         best = tl.load(key_ptr + row * s_row + offs, mask=offs < S, other=lowest)

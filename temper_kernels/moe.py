@@ -202,7 +202,7 @@ if triton is not None:
         """One token: the scores + bias laid out [groups, experts of a group]; with LIMIT, each group scored by the
         sum of its two best, the TOPG best groups kept; then K picks of the best remaining expert (its id stored,
         itself taken out), best first."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         gi = tl.arange(0, BG)
         j = tl.arange(0, BJ)
         e2 = gi[:, None] * EG + j[None, :]

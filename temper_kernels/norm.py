@@ -104,7 +104,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_fwd(x_ptr, w_ptr, y_ptr, r_ptr, D, eps, sx, sy, BD: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         c = tl.arange(0, BD)
         m = c < D
         x = tl.load(x_ptr + row * sx + c, mask=m, other=0.0).to(tl.float32)
@@ -116,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_bwd(x_ptr, w_ptr, dy_ptr, r_ptr, dx_ptr, dwp_ptr, D, sx, sdy, sdx, BD: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
         c = tl.arange(0, BD)
         m = c < D
         x = tl.load(x_ptr + row * sx + c, mask=m, other=0.0).to(tl.float32)
