@@ -4,7 +4,7 @@ values, warps). The paths run on the `meta` device (`temper_kernels.meta.on_meta
 trainers' losses, the indexer KL), the engine's captured decode step over dense and sparse key buckets, and the FP8
 indexer, for bench/gpu.py's 524M and 2B configs in bf16 and for `tiny` in fp32 (the GPU bench's parity run).
 
-    python bench/triton_compile.py [--arch 90]
+    python bench/triton_compile.py [--arch 90] [--sizes 524M 2B]
 
 A kernel that the interpreter runs (TRITON_INTERPRET=1, the CPU tests) can still fail to compile for a GPU: a
 construct the interpreter accepts and the compiler does not, or a tile that needs more shared memory than the SM has.
@@ -65,6 +65,8 @@ def paths(cfg, dtype, b: int, t: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="the CUDA compute capability to compile for (90: H100/H200)")
+    ap.add_argument("--sizes", nargs="+", default=["524M", "2B"], choices=["524M", "2B"],
+                    help="bench/gpu.py's configs to run in bf16 (tiny runs in fp32 always)")
     ap.add_argument("--max-shared", type=int, default=232448,
                     help="shared memory a block may use, bytes (sm_90: 227 KiB, the H200's opt-in maximum)")
     args = ap.parse_args()
@@ -78,7 +80,7 @@ def main() -> None:
     target = GPUTarget("cuda", args.arch, 32)
     compiled: dict = {}
     runs = [("tiny", configs.load("tiny").model, torch.float32, 2, 128)]
-    for size in ("524M", "2B"):
+    for size in args.sizes:
         cfg = ModelConfig.from_hf_dict({**hf_config(size, False).to_dict(), "num_nextn_predict_layers": 1})
         runs.append((size, cfg, torch.bfloat16, 1, 2 * cfg.index_topk))
     t0 = time.perf_counter()

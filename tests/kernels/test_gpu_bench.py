@@ -66,15 +66,15 @@ def test_activation_memory_counts_each_saved_storage_once():
 @pytest.mark.slow
 def test_every_kernel_the_cuda_paths_launch_compiles_for_an_h200(tmp_path):
     """bench/triton_compile.py: each Triton kernel specialisation the CUDA paths launch (training forward+backward,
-    the captured decode step, the FP8 indexer; tiny in fp32, the 524M and 2B configs in bf16) compiled for sm_90 by
+    the captured decode step, the FP8 indexer; tiny in fp32, the 2B config in bf16) compiled for sm_90 by
     Triton's compiler and ptxas, without a GPU, within the H200's shared memory. The interpreter the other kernel
     tests use accepts things the compiler does not; this is where those would show."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TEMPER_KERNELS")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compiled here, not taken from an earlier run's cache
-    r = subprocess.run([sys.executable, str(ROOT / "bench/triton_compile.py")], capture_output=True, text=True,
-                       timeout=900, cwd=ROOT, env=env)
+    r = subprocess.run([sys.executable, str(ROOT / "bench/triton_compile.py"), "--sizes", "2B"], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT, env=env)  # (524M: the same kernels at other widths)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
     assert "specialisations, 0 failed" in r.stdout
     for kernel in ("_fwd_kernel", "_bwd_kernel", "_scores_kernel", "_topk_kernel", "_gmm_kernel", "_gmm_dw_kernel",
