@@ -80,3 +80,16 @@ def test_every_kernel_the_cuda_paths_launch_compiles_for_an_h200(tmp_path):
     for kernel in ("_fwd_kernel", "_bwd_kernel", "_scores_kernel", "_topk_kernel", "_gmm_kernel", "_gmm_dw_kernel",
                    "_route_kernel", "_swiglu_fwd", "_swiglu_bwd", "_rms_fwd", "_rms_bwd", "_rope_kernel"):
         assert kernel in r.stdout, kernel
+
+
+def test_activation_memory_bench_runs_and_chunks_keep_less():
+    """bench/activation_memory.py end to end at a short length: each pass's count through chunks is below the
+    whole-logits one (the saving is the logits' log-softmax, which grows with the vocabulary and the length)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench/activation_memory.py"), "--sizes", "524M", "--seq", "1024"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split("│")[1:-1] for line in r.stdout.splitlines() if line.count("│") >= 6 and "524M" in line]
+    rows = [[c.strip() for c in row] for row in rows if "×" in row[4]]
+    assert len(rows) == 2, r.stdout
+    for _, _, whole, chunked, *_ in rows:
+        assert 0 < float(chunked) < float(whole)
