@@ -44,7 +44,6 @@ def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor
     return torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, w_uk), q_pe], -1)
 
 
-
 @dataclass
 class AttnContext:
     """Everything a layer needs that is shared by all layers of one forward."""

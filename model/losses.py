@@ -42,8 +42,8 @@ def head_loss(norm, head, hidden: torch.Tensor, targets: torch.Tensor, mask: tor
               chunk: int) -> torch.Tensor:
     """`lm_loss(head(norm(hidden)), targets, mask)` (hidden [B,T,H] before the norm; `head` the lm-head module or its
     weight) through the head in chunks of `chunk` rows."""
-    w = torch.ones(targets.shape, device=targets.device) if mask is None else mask.float()
-    return kernels.chunked_cross_entropy(hidden, head, targets, chunk=chunk, norm=norm, weights=w)
+    weights = None if mask is None else mask.float()  # (None: every position)
+    return kernels.chunked_cross_entropy(hidden, head, targets, chunk=chunk, norm=norm, weights=weights)
 
 
 def lm_forward_loss(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **run_kw

@@ -21,7 +21,8 @@ Ops: `indexer_topk` (lightning-indexer scores fused with a deterministic top-k, 
 `sparse_mla` (attention over the selected latent rows, forward and backward), `moe_experts` (device-side
 routing and grouped GEMM; `grouped_linear`, its grouped GEMM alone; `route`, the router's fused biased
 group-limited top-k), `rms_norm`, `rope` (rotary embedding),
-`swiglu` (silu(g) ⊙ u), `chunked_cross_entropy` and `chunked_logprobs` (the lm-head's losses without the whole logits).
+`swiglu` (silu(g) ⊙ u), `chunked_cross_entropy`, `chunked_logprobs` and `chunked_kl` (the lm-head's losses
+without the whole logits), and `recomputed` (a tensor kept for the backward as a recipe).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ GEMMs is the fused `swiglu` (temper_kernels/act.py), which keeps g and u and not
 routing weight (so the second GEMM's output is not kept for the weights' gradient).
 
 `route(logits, bias, ...)` is the router's selection (sigmoid scores, the bias for selection only,
-group-limited top-k, normalised and scaled weights) written with device ops only.
+group-limited top-k, normalised and scaled weights): on the Triton path the selection is one fused kernel,
+`route_reference` writes it with torch's device ops. Neither syncs with the host.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def route_reference(logits, bias, k: int, n_group: int, topk_group: int, scoring
 def _route_kernel_fits(e: int, k: int, n_group: int, topk_group: int) -> bool:
     """The fused selection holds a token's E scores in one program (E ≤ 1024) and unrolls its k and group picks."""
     groups_ok = n_group <= 1 or topk_group >= n_group or e % n_group == 0
-    return triton is not None and 0 < k <= min(e, 64) and e <= 1024 and groups_ok
+    return 0 < k <= min(e, 64) and e <= 1024 and groups_ok
 
 
 def route_select(scores: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:

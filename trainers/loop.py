@@ -100,8 +100,8 @@ class RLLoop:
         self._stop = threading.Event()
         self._cursor = 0
         self._since_push = 0  # actor updates not yet pushed to the engine
-        self._pending = 0  # pipelined mode: environments drawn for the generated-ahead batch, not trained on yet
-        self._ahead_batch: list[Trajectory] | None = None  # that batch, once generated (what a checkpoint keeps)
+        # pipelined mode: the batch generated ahead, once complete (what a checkpoint keeps; the cursor is past it)
+        self._ahead_batch: list[Trajectory] | None = None
         self._resumed_ahead: list[Trajectory] | None = None  # a restored one: the resumed run's first batch
         # async mode's admission control (see `_admission_limit`): episodes started and fresh batches finished in
         # this run, and the rollout thread's event loop and gate (set when a batch is done or on stop)
@@ -150,12 +150,10 @@ class RLLoop:
         # a batch generated ahead (pipelined mode, on the weights before this step) goes with the state, so that a
         # resumed run trains on that very batch next, as the uninterrupted run does, and on the same environments after
         # it; without one (another mode, the last step) the cursor is that of the environments trained on
-        cursor = self._cursor - self._pending
         if self._ahead_batch is not None:
             extra["ahead_batch"] = self._ahead_batch
-            cursor = self._cursor
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
-                                   data_cursor=cursor, critic=t.critic,
+                                   data_cursor=self._cursor, critic=t.critic,
                                    critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep, backend=self.dp)
 
     def resume(self, state) -> None:
@@ -303,7 +301,7 @@ class RLLoop:
     def _collect(self, ahead: list[Trajectory] | None = None) -> list[Trajectory]:
         """The next training batch, on every rank: what pipelined mode generated ahead, else a fresh one."""
         if ahead is not None:
-            self._pending = 0
+            self._ahead_batch = None  # being trained on now
             return self._shared(lambda: ahead)
         t0 = time.perf_counter()
         try:
@@ -337,7 +335,6 @@ class RLLoop:
         self.wait_seconds += time.perf_counter() - t0
         if "error" in th.box:  # type: ignore[attr-defined]
             raise th.box["error"]  # type: ignore[attr-defined]
-        self._pending = len(th.box["batch"])  # type: ignore[attr-defined]
         return th.box["batch"]  # type: ignore[attr-defined]
 
     def _pipelined_batch(self) -> list[Trajectory]:

@@ -59,7 +59,6 @@ class _Segment:
     param: torch.Tensor  # the model's parameter
     lo: int  # the piece [lo, hi) of the parameter's flat elements this rank owns
     hi: int
-    start: int  # where the piece begins in the bucket's flat vector
     main: torch.Tensor  # its fp32 main weight (a leaf: the inner AdamW's parameter): a view of an fp32 parameter
     copy: bool  # True: a separate fp32 copy of a lower-precision parameter
 
@@ -179,7 +178,7 @@ class ShardedAdamW:
             if lo < hi:
                 flat = p.detach().view(-1)[lo:hi]
                 copy = p.dtype != torch.float32
-                segments.append(_Segment(p, lo, hi, off + lo, flat.to(torch.float32, copy=True) if copy else flat, copy))
+                segments.append(_Segment(p, lo, hi, flat.to(torch.float32, copy=True) if copy else flat, copy))
         return _Bucket(params, offsets, n, shard, group if world > 1 else None, world, rank, segments)
 
     # ---- the optimizer interface the trainers use ------------------------------------------------------

@@ -239,7 +239,7 @@ def test_a_deep_copy_shares_device_handles_it_cannot_copy(megatron_rank, monkeyp
     import trainers.megatron.model as mm
     from trainers.megatron.backend import MegatronBackend
 
-    assert torch.cuda.Event in mm._SHARED_ON_COPY() and torch.cuda.Stream in mm._SHARED_ON_COPY()
+    assert torch.cuda.Event in mm._shared_on_copy() and torch.cuda.Stream in mm._shared_on_copy()
     m = MegatronBackend().wrap(_model(configs.load("micro").model))
     layer = next(x for x in m.modules() if hasattr(x, "token_dispatcher"))
     layer.token_dispatcher.d2h_event = h = _Handle()

@@ -273,7 +273,7 @@ class MTPBlock(nn.Module):
         self.shared_head_norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
-def _SHARED_ON_COPY() -> tuple[type, ...]:  # noqa: N802 - a constant, computed where torch.distributed is importable
+def _shared_on_copy() -> tuple[type, ...]:
     """What a `MegatronGLM` deep copy shares instead of copying: process groups, and the CUDA events and streams
     Megatron's all-to-all token dispatcher keeps after a forward on a GPU (`d2h_event`), which cannot be copied."""
     from torch.distributed import ProcessGroup
@@ -486,8 +486,9 @@ class MegatronGLM(nn.Module):
 
     def __deepcopy__(self, memo):
         """A deep copy (SAO's critic copies the actor) that shares the process groups instead of copying them."""
-        saved = {t: copy._deepcopy_dispatch.get(t) for t in (*_SHARED_ON_COPY(), torch.Tensor)}
-        for t in _SHARED_ON_COPY():  # handles, not data: shared
+        shared = _shared_on_copy()
+        saved = {t: copy._deepcopy_dispatch.get(t) for t in (*shared, torch.Tensor)}
+        for t in shared:  # handles, not data: shared
             copy._deepcopy_dispatch[t] = lambda h, _memo: h
         # Megatron's dispatchers keep the last forward's routing tensors (graph non-leaves): copied detached
         copy._deepcopy_dispatch[torch.Tensor] = lambda t, m: t.__deepcopy__(m) if t.is_leaf else t.detach().clone()
