@@ -36,8 +36,8 @@ def _same_step(got: dict, want: dict, before: dict, tol: float = 2e-2) -> int:
 def _taught(reverse_kl: float) -> bool:
     """A step took the teacher's scores. The reverse KL is a sampled estimate (student minus teacher log-prob on the
     student's own tokens): its mean is >= 0, but these two near-uniform random models sit ~0.02 apart, so one small
-    batch's estimate can fall below zero when the engine batches episodes differently (it did once in CI). Without
-    the teacher's scores it is exactly 0."""
+    batch's estimate can fall below zero (it did once in CI, before `micro` seeded its sampling per environment and
+    the batch depended on how the engine batched the episodes). Without the teacher's scores it is exactly 0."""
     return math.isfinite(reverse_kl) and reverse_kl != 0
 
 
