@@ -3,8 +3,6 @@ unchanged on the Megatron-core backend, the engines are served temper's model ga
 ends where the torch backend ends on the same data."""
 
 
-import math
-
 import pytest
 import torch
 from micro_rollouts import alternating_warm_rollouts, stored_rollouts
@@ -31,14 +29,6 @@ def _same_step(got: dict, want: dict, before: dict, tol: float = 2e-2) -> int:
         else:
             assert torch.equal(got[k], w), k
     return moved
-
-
-def _taught(reverse_kl: float) -> bool:
-    """A step took the teacher's scores. The reverse KL is a sampled estimate (student minus teacher log-prob on the
-    student's own tokens): its mean is >= 0, but these two near-uniform random models sit ~0.02 apart, so one small
-    batch's estimate can fall below zero (it did once in CI, before `micro` seeded its sampling per environment and
-    the batch depended on how the engine batched the episodes). Without the teacher's scores it is exactly 0."""
-    return math.isfinite(reverse_kl) and reverse_kl != 0
 
 
 def _cfg(kind: str, *extra: str):
@@ -75,7 +65,7 @@ def test_sft_sao_and_opd_stages_run_on_megatron(tmp_path):
     load_checkpoint(sao["checkpoint"])  # a temper checkpoint
     opd = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sft["torch"]["checkpoint"]}, envs,
                              tmp_path / "opd", store_path=store, iteration=2)
-    assert opd["steps"] == 1 and all(_taught(x) for x in opd["reverse_kl"])
+    assert opd["steps"] == 1 and all(x > 0 for x in opd["reverse_kl"])
     after = _weights(opd["checkpoint"])
     assert sum(not torch.equal(after[k], before[k]) for k in before) > len(before) // 3  # moved (not MTP, indexer)
 
@@ -125,7 +115,7 @@ def test_sharded_megatron_stages_run_under_torchrun_and_resume(tmp_path):
     cfg = _cfg("megatron", *over, *sharded, "opd.steps=1")
     first = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sft["torch"]["checkpoint"]}, envs,
                                tmp_path / "opd", store_path=store, iteration=2)
-    assert first["steps"] == 1 and first["trainer_ranks"] == 2 and _taught(first["reverse_kl"][0])
+    assert first["steps"] == 1 and first["trainer_ranks"] == 2 and first["reverse_kl"][0] > 0
     after_one = _weights(first["checkpoint"])
     cfg = _cfg("megatron", *over, *sharded, "opd.steps=2")
     second = stages.opd_student(cfg, str(tmp_path / "policy"), {dom: sft["torch"]["checkpoint"]}, envs,

@@ -9,7 +9,6 @@ never steps, an OPD advantage of the wrong sign, a stale sample kept.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -424,7 +423,7 @@ def test_opd_stage_starts_from_the_merged_experts(tmp_path):
 
 def test_opd_anchors_a_domain_with_no_expert_to_the_warm_start(tmp_path):
     """`opd.untaught=warm_start`: the student (merged from a code expert that also moved everything else) samples
-    math too, and the warm start scores it there: the reverse KL of the first batch is nonzero and the student
+    math too, and the warm start scores it there: the reverse KL of the first batch is positive and the student
     moves. With `untaught=none` it samples only code, whose teacher is the student itself: a reverse KL of exactly
     0 at every step and no change to any weight. Guards against the anchor's teacher being the expert, and against
     the anchored domain never being sampled."""
@@ -454,9 +453,7 @@ def test_opd_anchors_a_domain_with_no_expert_to_the_warm_start(tmp_path):
         if untaught == "none":
             assert out["reverse_kl"] == [0.0, 0.0] and moved == []
         else:
-            # a sampled estimate (0.02-0.12 over ten runs before `micro` seeded its sampling), so not its size or
-            # sign: with the anchor's scores it is nonzero, without them exactly 0 (above)
-            assert math.isfinite(out["reverse_kl"][0]) and out["reverse_kl"][0] != 0 and len(moved) > 10
+            assert out["reverse_kl"][0] > 1e-3 and len(moved) > 10
     # a state saved with the anchor does not resume without it (its task cursor counts another task list)
     with pytest.raises(ValueError, match=r"warm start teaching math, this run has it teach nothing \(opd.untaught"):
         stages.opd_student(cfg, str(tmp_path / "warm"), {"code": str(tmp_path / "code")}, envs,
