@@ -9,7 +9,7 @@ samples always succeed leaves nothing to gain. For each checkpoint and each patt
 
 - greedy pass@1 with its 95% Wilson interval (what the pipeline's evaluation measures);
 - sampled pass@1: the mean success of `--k` samples per task (what SAO's rollouts earn);
-- pass@k: the share of tasks that at least one of the k samples solves (unbiased estimator), with its interval;
+- pass@k: the share of tasks that at least one of the k samples solves, with its 95% Wilson interval;
 - mixed: the share of tasks whose k samples both succeed and fail, where a single rollout carries signal.
 
 A pattern with pass@k near 0 is out of reach of RL at this sampling budget (its samples never find a success); one
@@ -27,20 +27,17 @@ from pathlib import Path
 from common import table
 
 from configs import load
-from trainers.stats import pass_at_k, wilson
+from trainers.stats import wilson
 
 BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 
 
-def sampled(model, specs: list, k: int, cfg, n_slots: int = 16) -> list[list[float]]:
+def sampled(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16) -> list[list[float]]:
     """Each task's k rewards, the agent sampling at its configured temperature (the k-th rollout of a task samples
     its own stream, as GRPO groups do)."""
-    from envs.sandbox import make_sandbox
-    from model import ByteTokenizer
     from rollout.agent import Agent, run_episodes
     from rollout.backend import InProcessBackend
 
-    tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.agent.max_context + 8)
 
     async def go():
@@ -62,7 +59,7 @@ def headroom(greedy: list[float], samples: list[list[float]]) -> dict:
     g = sum(r >= 0.5 for r in greedy)
     anyk = sum(c > 0 for c in solved)
     return {"n": n, "greedy": g / n, "greedy_ci": wilson(g, n), "sampled": sum(solved) / (n * k),
-            "pass_at_k": sum(pass_at_k(k, c, k) for c in solved) / n, "pass_at_k_ci": wilson(anyk, n),
+            "pass_at_k": anyk / n, "pass_at_k_ci": wilson(anyk, n),
             "mixed": sum(0 < c < k for c in solved) / n}
 
 
@@ -89,7 +86,7 @@ def main() -> None:
     for ck in a.checkpoints:
         model = load_checkpoint(ck)
         greedy = [t.reward for t in evaluate(model, specs, tok, sb, cfg.agent)["trajectories"]]
-        samples = sampled(model, specs, a.k, cfg)
+        samples = sampled(model, specs, a.k, cfg, tok, sb)
         groups: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(specs):
             groups[pattern_key(s)].append(i)

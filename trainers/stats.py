@@ -27,14 +27,6 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The chance that k of a task's n samples, drawn without replacement, hold at least one of its c successes:
-    1 − C(n−c, k) / C(n, k), the unbiased pass@k estimator (Chen et al., 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 def binom_two_sided(k: int, n: int) -> float:
     """Exact two-sided p-value of k heads in n fair-coin flips (sum of outcomes no likelier than k)."""
     if n == 0:

@@ -1,11 +1,9 @@
 """Evaluation statistics against hand computations."""
 
 
-import itertools
-
 import pytest
 
-from trainers.stats import binom_two_sided, compare, mcnemar_exact, pass_at_k, significant_gain, summarize, wilson
+from trainers.stats import binom_two_sided, compare, mcnemar_exact, significant_gain, summarize, wilson
 
 
 def test_wilson_matches_the_closed_form_by_hand():
@@ -19,19 +17,6 @@ def test_wilson_matches_the_closed_form_by_hand():
     assert wilson(0, 0) == (0.0, 1.0)
     with pytest.raises(ValueError, match="0 <= k <= n"):
         wilson(5, 4)
-
-
-def test_pass_at_k_counts_every_draw_of_k_samples():
-    # enumerate every k-subset of n samples, c of them successes: the share holding a success
-    for n, c, k in [(4, 1, 1), (4, 1, 2), (8, 3, 4), (8, 0, 3), (8, 8, 1), (6, 2, 6), (7, 5, 3)]:
-        draws = list(itertools.combinations(range(n), k))
-        want = sum(any(i < c for i in d) for d in draws) / len(draws)
-        assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
-    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the success rate
-    with pytest.raises(ValueError, match="1 <= k <= n"):
-        pass_at_k(4, 1, 5)
-    with pytest.raises(ValueError, match="0 <= c <= n"):
-        pass_at_k(4, 5, 2)
 
 
 def test_exact_mcnemar_counts_flips_and_matches_the_binomial_by_hand():
