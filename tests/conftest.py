@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # Under pytest-xdist (`-n 2`, what `make test` runs) each worker takes one core: two workers with two threads each
 # would oversubscribe a 2-core machine (OpenMP spin-waits slow small ops by orders of magnitude).
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
+# TEMPER_TEST_THREADS sets the count for every test instead (`make test-threads` runs the tests that compare
+# floating-point results across processes, thread counts or batch shapes at 2 threads, so their outcome is shown not
+# to depend on the reduction order a thread count gives).
+TEST_THREADS = int(os.environ.get("TEMPER_TEST_THREADS") or 0)
+torch.set_num_threads(TEST_THREADS or (1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))))
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,7 @@ def one_thread():
     """One intra-op thread (trainers, the model's training tests): with two, torch oversubscribes a shared 2-core machine (a
     loader or gloo thread next to the compute threads slows small ops by orders of magnitude)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS or 1)
     yield
     torch.set_num_threads(n)
 

@@ -2,7 +2,19 @@
 test_ddp_torchrun.py, which compares the gradients, weights and step statistics every rank ends with against one
 process on the whole batch.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ddp_step.py OUT_DIR
+    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ddp_step.py OUT_DIR [MUTANT]
+    python tests/trainers/ddp_step.py OUT_DIR single [MUTANT]
+
+The optimizers here are plain SGD (the backends' `optimizer` overridden), not the trainers' AdamW: SGD's update is
+linear in the gradient, so two runs whose gradients agree to summation noise (1e-12, which depends on the CPU's
+reduction order and thread count) end with weights that agree to lr × that noise. AdamW divides by √v: where a
+gradient is near 0 it turns that noise into a weight difference of order lr, and the comparison of weights would
+pass or fail with the machine. The trainers' parallel logic (the row split, the token normalisation, the gradient
+average, the clip, the critic and replay steps) is the same whatever the optimizer; AdamW itself is compared to a
+hand step in tests/trainers/test_backends.py.
+
+MUTANT names a deliberate break (see MUTANTS) that the comparison must catch: the module's source is re-executed
+with one line changed before the trainers are imported.
 """
 
 import os
@@ -11,15 +23,42 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-import configs  # noqa: E402
-from model import Transformer  # noqa: E402
-from rollout.types import Segment, Trajectory  # noqa: E402
-from trainers.backends import DDPBackend, TorchBackend  # noqa: E402
-from trainers.config import SAOConfig  # noqa: E402
-from trainers.lm import LMTrainer  # noqa: E402
-from trainers.sao import SAOTrainer  # noqa: E402
+# name -> (module, the line as written, the broken line): each is a way data parallelism goes silently wrong
+MUTANTS = {
+    # rank 1's share of every gradient never reaches the average (as if its backward were skipped)
+    "skip_share": ("trainers.backends", "flat = torch.cat([g.reshape(-1) for g in bucket])",
+                   "flat = torch.cat([g.reshape(-1) for g in bucket]) * float(self.rank == 0)"),
+    # the first micro-batch of every SAO pass is back-propagated twice
+    "double_micro": ("trainers.sao", "(loss * share).backward()",
+                     "(loss * share * (2.0 if i == 0 else 1.0)).backward()"),
+    # the SFT loss is a mean over the rank's own tokens, not its share of the batch's
+    "rank_norm_sft": ("trainers.lm",
+                      "lm_scale = float(mask[:, 1:].sum()) * w / max(1.0, float(g_mask[:, 1:].sum()))",
+                      "lm_scale = 1.0"),
+    # the SAO policy loss is normalised by the rank's tokens
+    "rank_norm_sao": ("trainers.sao", "n = torch.tensor(n_global / self.backend.world_size)",
+                      "n = rows.mask.sum().clamp_min(1).float() if rows is not None else torch.tensor(1.0)"),
+}
+
+
+def apply_mutant(name: str) -> None:
+    """Re-execute one trainers module in place with MUTANTS[name]'s line swapped (before anything imports from it)."""
+    import importlib
+
+    module, old, new = MUTANTS[name]
+    mod = importlib.import_module(module)
+    src = Path(mod.__file__).read_text()
+    if src.count(old) != 1:
+        raise SystemExit(f"mutant {name}: the line to break is not in {mod.__file__} exactly once: {old!r}")
+    exec(compile(src.replace(old, new), mod.__file__, "exec"), mod.__dict__)
+
+
+def sgd(params, lr, weight_decay=0.0, **_adam):
+    """What the backends' `optimizer` returns here: an update linear in the gradient (see the module docstring)."""
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
 
 
 def sft_batch():
@@ -34,6 +73,8 @@ def sft_batch():
 
 def trajectories():
     """5 trajectories (an odd count: the ranks get 3 and 2), some with two segments, rewards 0/1."""
+    from rollout.types import Segment, Trajectory
+
     g = torch.Generator().manual_seed(12)
     out = []
     for j in range(5):
@@ -49,7 +90,16 @@ def trajectories():
 
 
 def run(backend):
-    cfg = configs.load("micro", ["train.mtp_loss_weight=0.5"])
+    import configs
+    from model import Transformer
+    from trainers.config import SAOConfig
+    from trainers.lm import LMTrainer
+    from trainers.sao import SAOTrainer
+
+    backend.optimizer = sgd
+    # SGD's steps are lr · g (AdamW's are ~lr per weight): a larger lr moves the policy as far, so the second SAO
+    # step's replay KL and clip fraction are away from 0
+    cfg = configs.load("micro", ["train.mtp_loss_weight=0.5", "train.lr=3.0", "train.warmup_steps=0"])
     torch.manual_seed(0)
     model = backend.wrap(Transformer(cfg.model))
     init_sft = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -60,9 +110,10 @@ def run(backend):
     actor = backend.wrap(Transformer(cfg.model))
     init = {n: p.detach().clone() for n, p in actor.named_parameters()}
     # with the replay anchor on 3 of the trajectories (the ranks get 2 and 1 of each step's rows); two steps, so
-    # the second one's replay KL is away from 0 (the first is taken at the reference)
-    sao = SAOTrainer(actor, SAOConfig(critic_updates=2, lr=1e-3, warmup_steps=0, replay_coef=1.0, replay_rows=3),
-                     backend=backend)
+    # the second one's replay KL is away from 0 (the first is taken at the reference); micro-batches of 2 rows, so
+    # each rank's share is several micro-batches
+    sao = SAOTrainer(actor, SAOConfig(critic_updates=2, lr=3.0, warmup_steps=0, replay_coef=1.0, replay_rows=3,
+                                      micro_rows=2), backend=backend)
     sao.set_replay(trajectories()[:3])
     first = sao.step(trajectories(), 0)
     st = sao.step(trajectories(), 1)
@@ -74,13 +125,20 @@ def run(backend):
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    if len(sys.argv) > 2 and sys.argv[2] == "single":
-        torch.save(run(TorchBackend()), Path(sys.argv[1]) / "single.pt")
+    torch.set_num_threads(int(os.environ.get("TEMPER_TEST_THREADS") or 1))  # tests/conftest.py
+    single = len(sys.argv) > 2 and sys.argv[2] == "single"
+    mutant = sys.argv[3 if single else 2] if len(sys.argv) > (3 if single else 2) else None
+    if mutant:
+        apply_mutant(mutant)
+    from trainers.backends import DDPBackend, TorchBackend
+
+    tag = f"-{mutant}" if mutant else ""
+    if single:
+        torch.save(run(TorchBackend()), Path(sys.argv[1]) / f"single{tag}.pt")
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         b = DDPBackend(rank, world)
         try:
-            torch.save(run(b), Path(sys.argv[1]) / f"rank{rank}.pt")
+            torch.save(run(b), Path(sys.argv[1]) / f"rank{rank}{tag}.pt")
         finally:
             b.close()

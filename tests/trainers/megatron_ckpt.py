@@ -14,6 +14,7 @@ the same two steps are taken again with a whole AdamW on every rank, for compari
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from trainers.sao import Critic  # noqa: E402
 
 
 def main(out: Path, tp: int, ep: int, zero: bool = False) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("TEMPER_TEST_THREADS") or 1))  # tests/conftest.py
     cfg = configs.load("micro").model
     be = MegatronBackend(tp, 1, ep, 1, distributed_optimizer=zero)
     try:

@@ -40,7 +40,7 @@ def run(backend, export, pick: slice = slice(0, 5)) -> dict:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("TEMPER_TEST_THREADS") or 1))  # tests/conftest.py
     out, what = Path(sys.argv[1]), sys.argv[2]
     pick = slice(*map(int, sys.argv[3].split(":")))  # which of the 5 trajectories, e.g. 0:5
     if what == "single":

@@ -1,6 +1,13 @@
 """The trainer as its own process group: one SFT step and two SAO steps (critic and replay anchor included) under
 `torchrun` with 2 gloo ranks end with the gradients, weights and step statistics of one process on the whole batch —
-uneven token counts per rank, an odd number of trajectories and replay rows, MTP and the indexer KL included."""
+uneven token counts per rank, an odd number of trajectories and replay rows, several micro-batches per rank, MTP and
+the indexer KL included.
+
+The steps use SGD (tests/trainers/ddp_step.py says why): its update is linear in the gradient, so weights that
+differ by more than lr × the gradients' summation noise mean the ranks computed a different gradient, on any CPU and
+at any thread count. And the comparison is shown to catch the ways data parallelism goes silently wrong: each of
+ddp_step.MUTANTS (a rank's share skipped, a micro-batch counted twice, the loss normalised by the rank's tokens in
+SFT and in SAO) breaks the trainers' code once, and must fail it."""
 
 import subprocess
 import sys
@@ -12,16 +19,25 @@ import torch
 from trainers.backends import free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ddp_step import MUTANTS  # noqa: E402
 
 
-def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
-    env_run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(HERE / "ddp_step.py"), str(tmp_path)]
-    subprocess.run(env_run, check=True, timeout=600, capture_output=True)
-    subprocess.run([sys.executable, str(HERE / "ddp_step.py"), str(tmp_path), "single"], check=True, timeout=600)
-    one = torch.load(tmp_path / "single.pt", weights_only=False)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert one["updated"] and all(r["updated"] for r in ranks)
+def run_both(out: Path, mutant: str | None = None) -> tuple[dict, list[dict]]:
+    """One process on the whole batch and two torchrun ranks, both with `mutant`'s break (it is in shared code)."""
+    tail = [mutant] if mutant else []
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1", "--master_port", str(free_port()), str(HERE / "ddp_step.py"), str(out), *tail],
+                   check=True, timeout=600, capture_output=True)
+    subprocess.run([sys.executable, str(HERE / "ddp_step.py"), str(out), "single", *tail], check=True, timeout=600,
+                   capture_output=True)
+    tag = f"-{mutant}" if mutant else ""
+    one = torch.load(out / f"single{tag}.pt", weights_only=False)
+    return one, [torch.load(out / f"rank{r}{tag}.pt", weights_only=False) for r in range(2)]
+
+
+def assert_ranks_equal_one(one: dict, ranks: list[dict]) -> None:
+    # gradients: the same sums in another order (1e-12 apart); weights: init − lr·(that), so as close
     for part in ("sft", "sao"):
         for name, (g1, w1) in one[part].items():
             for r in ranks:
@@ -34,14 +50,29 @@ def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
         for r in ranks:
             torch.testing.assert_close(r["critic"][name], w1, rtol=1e-5, atol=1e-6, msg=f"critic {name}")
     # the step's figures are the whole batch's on every rank, not the rank's share of it: the policy loss's
-    # statistics, the entropy, the critic's loss, the replay anchor's KL (away from 0 on this second step) and the
-    # train/rollout mismatch over every rank's tokens (the count, the mean, the max)
-    assert one["stats"]["replay_kl"] > 1e-5 and one["stats"]["clip_frac"] > 0
-    assert one["stats"]["mismatch_all_tokens"] > 0 and one["stats"]["mismatch_all_max"] > 0
+    # statistics, the entropy, the critic's loss, the replay anchor's KL and the train/rollout mismatch over every
+    # rank's tokens (the count, the mean, the max)
     for r in ranks:
         assert r["stats"].keys() == one["stats"].keys()
         for k, v in one["stats"].items():
             assert r["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
-    # the step moved the weights (so equal weights are not just untouched ones)
-    assert any(not torch.equal(w1, one["init"][n]) for n, (_, w1) in one["sao"].items())
-    assert any(not torch.equal(w1, one["init_sft"][n]) for n, (_, w1) in one["sft"].items())
+
+
+def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
+    one, ranks = run_both(tmp_path)
+    assert one["updated"] and all(r["updated"] for r in ranks)
+    # the figures compared are away from 0: the second step's replay KL (the first is taken at the reference), the
+    # clip fraction, the mismatch
+    assert one["stats"]["replay_kl"] > 1e-5 and one["stats"]["clip_frac"] > 0
+    assert one["stats"]["mismatch_all_tokens"] > 0 and one["stats"]["mismatch_all_max"] > 0
+    # the steps moved the weights well past the tolerance (so equal weights are not just untouched ones)
+    moved = lambda part, init: max(float((w - init[n]).abs().max()) for n, (_, w) in one[part].items())  # noqa: E731
+    assert moved("sao", one["init"]) > 1e-3 and moved("sft", one["init_sft"]) > 1e-3
+    assert_ranks_equal_one(one, ranks)
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_comparison_catches_a_broken_data_parallel_step(tmp_path, mutant):
+    one, ranks = run_both(tmp_path, mutant)
+    with pytest.raises(AssertionError):
+        assert_ranks_equal_one(one, ranks)
