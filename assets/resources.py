@@ -321,7 +321,7 @@ class StageRunner(dg.ConfigurableResource):
         import docker
         from dagster_docker import PipesDockerClient
 
-        from envs.sandbox import ensure_image
+        from envs.sandbox_docker import ensure_image
 
         client = docker.from_env()
         image = self.image or ensure_image(client)

@@ -20,11 +20,14 @@ wrong and how to call the tool, and the environment returns that message as the 
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
+
+from .bounded import BoundsError, check_text, loads
+
+MAX_CALL_CHARS = 64 << 10  # a tool call's body: more than any budget of generated tokens decodes to
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -99,13 +102,27 @@ def extract_call(text: str) -> str | None:
 
 
 def parse_action(text: str, allowed: set[str] | None = None) -> Action | ActionError:
+    try:
+        return _parse_action(text, allowed)
+    except Exception as e:  # noqa: BLE001 - nothing the agent writes raises: whatever slipped through is its error
+        return ActionError(f"the tool call could not be parsed ({type(e).__name__})", text)
+
+
+def _parse_action(text: str, allowed: set[str] | None) -> Action | ActionError:
     body = extract_call(text)
     if body is None:
         return ActionError(f"no tool call found: write {OPEN}TOOL ARGS{CLOSE}", text)
     if not body.strip():
         return ActionError("empty tool call", text)
     try:
+        if len(body) > MAX_CALL_CHARS:
+            raise BoundsError(f"the tool call is {len(body)} characters, more than {MAX_CALL_CHARS}")
         act = _parse_json(body) if body.lstrip().startswith("{") else _parse_compact(body)
+        # every argument reaches a process (argv, stdin, a file name): NUL bytes and lone surrogates are refused
+        # here, before anything is run
+        for k, v in act.args.items():
+            for x in (v if isinstance(v, list) else [v]):
+                check_text(x, f"{act.tool}: argument {k}")
     except ValueError as e:
         return ActionError(str(e), text)
     if isinstance(act, ActionError):
@@ -175,9 +192,9 @@ _REQUIRED = {"read": {"path"}, "write": {"path"}, "replace": {"path", "old", "ne
 
 def _parse_json(body: str) -> Action:
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tool call is not valid JSON ({e.msg} at char {e.pos})") from None
+        obj = loads(body, MAX_CALL_CHARS)
+    except BoundsError as e:
+        raise ValueError(f"tool call is not valid JSON: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError('JSON tool call needs {"name": TOOL, "arguments": {...}}')
     tool = obj["name"]
@@ -186,8 +203,8 @@ def _parse_json(body: str) -> Action:
     args = obj.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = loads(args, MAX_CALL_CHARS) if args.strip() else {}
+        except BoundsError:
             raise _usage(tool, "arguments is not a JSON object") from None
     if not isinstance(args, dict):
         raise _usage(tool, "arguments must be an object")

@@ -8,6 +8,14 @@
 
 Malformed actions, unknown tools and tool errors come back as observations; nothing the agent writes
 raises through `step`.
+
+One rule decides outcomes: whatever goes wrong while handling what the agent produced (its actions, its files, its
+output, what the verifier observes) is the agent's failure (reward 0, status "ok", the reason recorded). Only a
+verifier sandbox that could not start the check (no `ready` line before any agent code ran), or a host fault before
+it ran, is an infrastructure fault: retried, then "crashed". It holds by construction, not by a list of caught
+exceptions: the host never walks a tree the agent made (the verifier's copy is made inside the sandbox; trees are
+removed with `rm`, mounts by unmounting), every parse of agent output is bounded in size and depth
+(envs/bounded.py), and arguments are validated before anything is run.
 """
 
 from __future__ import annotations
@@ -16,15 +24,16 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import stat
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .actions import Action, ActionError, parse_action
-from .sandbox import Limits, RunResult, Sandbox
+from .bounded import BoundsError, loads
+from .sandbox import TOOLS_DIR, Limits, RunResult, Sandbox
 from .spec import Check, TaskSpec
 from .tools.check import tag
 
@@ -64,41 +73,62 @@ class Reward:
 
 
 class WorkspaceError(Exception):
-    """The workspace holds something a verifier will not read: a special file (FIFO, socket, device)."""
+    """The workspace could not be set up from the spec (a path the set-up refused)."""
 
 
-def _pinned_sha(path: Path) -> str | None:
-    """sha256 of a regular file, read without following a link; None for a link, a special file or nothing."""
+class _Infrastructure(Exception):
+    """A fault of the verifier's own machinery, before any agent code ran: retried, then "crashed"."""
+
+
+VERDICT_DEPTH = 96  # a type-tagged value nests at most 32 levels (tools/check.py), two JSON levels each, plus wrappers
+
+
+def _pinned_sha(root: Path, rel: str) -> str | None:
+    """sha256 of the regular file `rel` under `root`, opened one component at a time without following a link at
+    any level (a linked directory on the way is as much a replacement as a linked file); None for a link, a special
+    file, a missing file or a bad path."""
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        return None
     try:
-        st = os.lstat(path)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode):
+    try:
+        for d in parts[:-1]:
+            nxt = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        os.close(fd)
         return None
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    os.close(fd)
+    with os.fdopen(f, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return None
+        h = hashlib.sha256()
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
 
 
-def copy_workspace(src: Path, dst: Path, root: Path | None = None) -> None:
-    """Copy the workspace for a verifier: directories and regular files as they are, links as links (never
-    followed), and a special file refused with WorkspaceError (opening a FIFO would hang the verifier)."""
-    root = root or src
-    dst.mkdir()
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        st = entry.stat(follow_symlinks=False)
-        to = dst / entry.name
-        if stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(entry.path), to)
-        elif stat.S_ISDIR(st.st_mode):
-            copy_workspace(Path(entry.path), to, root)
-        elif stat.S_ISREG(st.st_mode):
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f, open(to, "wb") as g:
-                shutil.copyfileobj(f, g)
-        else:
-            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
-            raise WorkspaceError(f"{os.path.relpath(entry.path, root)} is a {kind}")
+def remove_tree(path: Path) -> None:
+    """Remove a tree an agent may have made (any depth, links not followed) without walking it in this process:
+    coreutils `rm` walks it iteratively; a deep tree once made `shutil.rmtree` raise RecursionError."""
+    if os.path.lexists(path):
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, check=False)
+
+
+def _as_user(uid: int | None):
+    def drop():
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    return drop if uid is not None else None
+
+
+SETUP = (TOOLS_DIR / "setup.py").read_text()
 
 
 def _normalise(s: str, how: str) -> str:
@@ -133,24 +163,34 @@ class Environment:
 
     # ---- episode -----------------------------------------------------------------------------------
     def reset(self) -> str:
-        if self._quota:  # the workspace is its own size-limited filesystem: empty it, keep the mount
-            for p in self.workspace.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        else:
-            shutil.rmtree(self.workspace, ignore_errors=True)
-            self.workspace.mkdir(parents=True)
-            self._quota = self.sandbox.mount_quota(self.workspace, self.limits.workspace_bytes)
-        for rel, content in self.spec.files.items():
-            p = self.workspace / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(content)
+        """A fresh workspace holding the spec's files. The files are written by tools/setup.py as the sandbox's
+        unprivileged user (never root), which refuses any path that is not plainly inside the workspace and never
+        opens through a link."""
+        if self._quota:  # the workspace is its own size-limited filesystem: a fresh one, not an emptied one
+            self.sandbox.unmount_quota(self.workspace)
+        remove_tree(self.workspace)
+        self.workspace.mkdir(parents=True)
+        self._quota = self.sandbox.mount_quota(self.workspace, self.limits.workspace_bytes)
         self.workspace.chmod(0o777)
-        for p in self.workspace.rglob("*"):
-            p.chmod(0o777 if p.is_dir() else 0o666)
+        r = subprocess.run([self.sandbox.python(), "-I", "-S", "-c", SETUP], cwd=self.workspace,
+                           input=json.dumps({"files": self.spec.files}).encode(), capture_output=True,
+                           preexec_fn=_as_user(self.sandbox.run_as()), timeout=60, check=False)
+        if r.returncode != 0:
+            raise WorkspaceError(f"{self.spec.id}: the workspace could not be set up: "
+                                 f"{r.stderr.decode(errors='replace').strip()[-300:]}")
         self.turns, self.answer, self.done, self.log = 0, None, False, []
         return self.spec.instruction
 
     def step(self, text: str) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            return self._step(text)
+        except Exception as e:  # noqa: BLE001 - the agent's text is handled here: what goes wrong is its failure
+            self._out_of_turns()
+            why = f"the tool call could not be run ({type(e).__name__}: {str(e)[:200]})"
+            return StepResult(f"error: {why}", self.done, error=why, seconds=time.perf_counter() - t0)
+
+    def _step(self, text: str) -> StepResult:
         if self.done:
             return StepResult("error: the episode is over", True, error="episode over")
         t0 = time.perf_counter()
@@ -214,64 +254,76 @@ class Environment:
         """Run every check; reward 1.0 iff all pass. Never raises.
 
         What the agent left behind decides a failure (reward 0, status "ok", with the reason): wrong values, code
-        that raised, exited or hung, a missing or garbled observation, a special file in the workspace. Only a
-        fault of the verifier's own infrastructure (the sandbox did not start the check) is status "crashed":
-        it is retried up to VERIFY_ATTEMPTS times, and `attempts` says how many were made."""
+        that raised, exited or hung, a missing, garbled, over-long or over-deep observation, a special file or a
+        tree that cannot be copied. Only a fault of the verifier's own infrastructure (the sandbox did not start
+        the check) is status "crashed": it is retried up to VERIFY_ATTEMPTS times, and `attempts` says how many
+        were made."""
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
-            results: list[CheckResult] = []
-            try:
-                for check in self.spec.verifier.checks:
-                    results.append(self._check(check))
-            except Exception as e:  # noqa: BLE001 - the caller must never see a verifier crash
-                results.append(CheckResult("verifier", False, f"{type(e).__name__}: {e}", crashed=True))
+            results = [self._check(check) for check in self.spec.verifier.checks]
             if not any(r.crashed for r in results):
                 ok = bool(results) and all(r.passed for r in results)
                 return Reward(1.0 if ok else 0.0, "ok", results, attempt)
         return Reward(0.0, "crashed", results, VERIFY_ATTEMPTS)
 
     def _check(self, c: Check) -> CheckResult:
+        try:
+            return self._run_check(c)
+        except _Infrastructure as e:
+            return CheckResult(c.name, False, str(e)[:500], crashed=True)
+        except Exception as e:  # noqa: BLE001 - past the sandbox's start, what goes wrong is the agent's doing
+            return CheckResult(c.name, False, f"the agent's work could not be checked: {type(e).__name__}: "
+                                              f"{str(e)[:300]}")
+
+    def _run_check(self, c: Check) -> CheckResult:
         if c.kind == "answer":
             if self.answer is None:
                 return CheckResult(c.name, False, "no answer submitted")
             got, want = _normalise(self.answer, c.normalize), _normalise(c.expected or "", c.normalize)
             return CheckResult(c.name, got == want, "match" if got == want else "wrong answer")
         if c.kind == "unchanged":
-            bad = [rel for rel, h in c.hashes.items() if _pinned_sha(self.workspace / rel) != h]
+            bad = [rel for rel, h in c.hashes.items() if _pinned_sha(self.workspace, rel) != h]
             return CheckResult(c.name, not bad, f"modified, replaced or not a regular file: {bad}" if bad else "unchanged")
-        # python / calls: run on a private copy of the final workspace, in the sandbox
-        vdir = Path(tempfile.mkdtemp(prefix="verify-", dir=self._tmp))
-        vdir.chmod(0o711)
+        # python / calls: run in the sandbox on a private copy of the final workspace, which the sandbox makes
+        # itself (tools/check.py) in a directory as large as the workspace's quota
+        sb = self.sandbox
         try:
+            vdir = Path(tempfile.mkdtemp(prefix="verify-", dir=self._tmp))
+            vdir.chmod(0o711)
             work = vdir / "work"
-            try:
-                copy_workspace(self.workspace, work)
-            except WorkspaceError as e:
-                return CheckResult(c.name, False, f"refused: {e}")
+            work.mkdir()
+            quota = sb.mount_quota(work, self.limits.workspace_bytes)
             work.chmod(0o777)
-            req = {"kind": c.kind, "nonce": secrets.token_hex(16), "work": self.sandbox.workdir(work)}
+        except OSError as e:
+            raise _Infrastructure(f"verifier did not start (its directory: {e})") from None
+        try:
+            nonce = secrets.token_hex(16)
+            req = {"kind": c.kind, "nonce": nonce, "work": sb.workdir(work), "src": sb.visible("/src", self.workspace)}
             if c.kind == "python":
                 req["code"] = c.code
             else:
                 req["calls"] = c.calls  # the expected values stay here
-            sb = self.sandbox
             res = sb.run([sb.python(), "-I", f"{sb.tools_dir()}/check.py"], work, stdin=json.dumps(req) + "\n",
-                         limits=self.limits)
-            lines = [ln[len(req["nonce"]) + 1:] for ln in res.stdout.splitlines() if ln.startswith(req["nonce"] + " ")]
+                         limits=self.limits, extra_ro={"/src": self.workspace})
+            lines = [ln[len(nonce) + 1:] for ln in res.stdout.splitlines() if ln.startswith(nonce + " ")]
             if "ready" not in lines[:1]:  # the check never started: the sandbox failed, not the agent's code
                 why = "timed out" if res.timed_out else f"exit {res.returncode}: {res.stderr.strip()[-200:]}"
-                return CheckResult(c.name, False, f"verifier did not start ({why})", crashed=True)
-            try:
-                v = json.loads(lines[-1]) if len(lines) > 1 else None
-            except ValueError:
-                v = None
-            if not isinstance(v, dict):  # the code under test killed or garbled the check: a failure
-                why = "timed out" if res.timed_out else f"exit {res.returncode}"
-                return CheckResult(c.name, False, f"no observation ({why})")
-            if c.kind == "python":
-                return CheckResult(c.name, v.get("pass") is True, str(v.get("detail", ""))[:500])
-            return self._compare(c, v)
+                raise _Infrastructure(f"verifier did not start ({why})")
         finally:
-            shutil.rmtree(vdir, ignore_errors=True)
+            if quota:
+                sb.unmount_quota(work)
+            remove_tree(vdir)
+        try:
+            v = loads(lines[-1], max(self.limits.output_bytes, 1 << 16), VERDICT_DEPTH) if len(lines) > 1 else None
+        except BoundsError as e:
+            return CheckResult(c.name, False, f"garbled observation ({e})")
+        if not isinstance(v, dict):  # the code under test killed or garbled the check: a failure
+            why = "timed out" if res.timed_out else f"exit {res.returncode}"
+            return CheckResult(c.name, False, f"no observation ({why})")
+        if "refused" in v:
+            return CheckResult(c.name, False, f"refused: {v['refused']}")
+        if c.kind == "python":
+            return CheckResult(c.name, v.get("pass") is True, str(v.get("detail", ""))[:500])
+        return self._compare(c, v)
 
     @staticmethod
     def _compare(c: Check, v: dict) -> CheckResult:
@@ -291,7 +343,7 @@ class Environment:
         if self._quota:
             self.sandbox.unmount_quota(self.workspace)
             self._quota = False
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        remove_tree(self._tmp)
 
     def __enter__(self) -> Environment:
         return self

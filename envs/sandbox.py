@@ -97,6 +97,67 @@ def _drain(pipe, cap: int, out: list, flags: dict) -> None:
     out.append(bytes(kept))
 
 
+def _refuse(argv: list[str], stdin) -> str | None:
+    """Why `argv` / `stdin` cannot be handed to a process (a NUL byte, a lone surrogate), checked before exec so
+    that no argument an agent chose makes `run` raise; None when they can."""
+    from .bounded import BoundsError, check_text
+
+    try:
+        for i, a in enumerate(argv):
+            check_text(a, f"argument {i}")
+        if isinstance(stdin, str):
+            check_text(stdin.replace("\x00", ""), "stdin")  # NUL bytes are data on stdin
+    except BoundsError as e:
+        return f"refused before exec: {e}"
+    return None
+
+
+# what of the host's site-packages the sandbox sees: pytest (the `pytest` tool) and what it imports, nothing else
+SITE_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py")
+_stage: tuple[Path, Path] | None = None
+_stage_lock = threading.Lock()
+
+
+def staged() -> tuple[Path, Path]:
+    """The host directories bound at SANDBOX_TOOLS and SANDBOX_SITE. As root: copies of envs/tools and of
+    SITE_PACKAGES on a read-only tmpfs of their own, made once per process, so that nothing inside the sandbox names
+    a host path (a bind mount's source shows in /proc/self/mountinfo as its path within its filesystem: here
+    /tools and /site, not a checkout's or a virtualenv's path) and the rest of the host's packages stay out of
+    sight. Without root, or where mounting fails: the originals."""
+    global _stage
+    with _stage_lock:
+        if _stage is None:
+            _stage = _make_stage()
+        return _stage
+
+
+def _make_stage() -> tuple[Path, Path]:
+    import atexit
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    if os.geteuid() != 0:
+        return TOOLS_DIR, site
+    d = Path(tempfile.mkdtemp(prefix="temper-stage-"))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755,nosuid,nodev", "tmpfs", str(d)],
+                      capture_output=True, check=False).returncode != 0:
+        d.rmdir()
+        return TOOLS_DIR, site
+    atexit.register(lambda: (subprocess.run(["umount", "-l", str(d)], capture_output=True, check=False),
+                             shutil.rmtree(d, ignore_errors=True)))
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(TOOLS_DIR, d / "tools", ignore=ignore)
+    (d / "site").mkdir()
+    for name in SITE_PACKAGES:
+        src = site / name
+        if src.is_dir():
+            shutil.copytree(src, d / "site" / name, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, d / "site" / name)
+    subprocess.run(["chmod", "-R", "a+rX", str(d)], capture_output=True, check=False)
+    subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True, check=False)
+    return d / "tools", d / "site"
+
+
 class _Cgroup:
     """Per-run cgroup (v1 `pids`/`memory` or v2) for limits rlimits cannot give root."""
 
@@ -205,6 +266,9 @@ class Sandbox(ABC):
     ) -> RunResult:
         lim = limits or self.limits
         workspace = Path(workspace)
+        bad = _refuse(argv, stdin)
+        if bad:
+            return RunResult(126, "", bad)
         cmd = self.wrap(argv, workspace, extra_ro or {}, lim)
         cg = _Cgroup(lim) if self.uses_cgroup() else None
 
@@ -396,8 +460,8 @@ class BwrapSandbox(_MountedLayout, Sandbox):
                 a += ["--ro-bind", f"/etc/{f}", f"/etc/{f}"]
         if self.prefix != "/usr":
             a += ["--ro-bind", self.prefix, self.prefix]
-        a += ["--ro-bind", str(TOOLS_DIR), SANDBOX_TOOLS]
-        a += ["--ro-bind", sysconfig.get_paths()["purelib"], SANDBOX_SITE]
+        tools, site = staged()
+        a += ["--ro-bind", str(tools), SANDBOX_TOOLS, "--ro-bind", str(site), SANDBOX_SITE]
         for dest, src in extra_ro.items():
             a += ["--ro-bind", str(src), dest]
         a += ["--bind", str(workspace), "/work", "--size", str((limits or self.limits).tmp_bytes), "--tmpfs", "/tmp",
@@ -416,166 +480,6 @@ def _reachable(path: Path) -> bool:
         return bool(os.stat(path).st_mode & 0o004)
     except OSError:
         return False
-
-
-SANDBOX_IMAGE = "temper-sandbox"
-# runs first in the container: sets RLIMIT_AS (an engine ulimit would bind runc's own set-up too), makes the
-# bound stdin file the process's stdin, then execs the command
-_SHIM = ("import os, resource, sys\nm = int(sys.argv[1])\nresource.setrlimit(resource.RLIMIT_AS, (m, m))\n"
-         "if sys.argv[2]:\n    fd = os.open(sys.argv[2], os.O_RDONLY)\n    os.dup2(fd, 0)\n    os.close(fd)\n"
-         "os.execv(sys.argv[3], sys.argv[3:])")
-SANDBOX_STDIN = "/opt/temper/stdin"
-
-
-def _skeleton_tar() -> tuple[bytes, str]:
-    """A root filesystem with nothing in it but mount points and the host's /bin, /lib… links: the sandbox image.
-    Everything it runs comes from the host's /usr, bound read-only (as bwrap does); no registry is needed."""
-    import hashlib
-    import io
-    import tarfile
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        def add(name: str, kind: bytes = tarfile.DIRTYPE, link: str = "", mode: int = 0o755) -> None:
-            info = tarfile.TarInfo(name)
-            info.type, info.linkname, info.mode, info.mtime = kind, link, mode, 0
-            tar.addfile(info)
-
-        for d in ("usr", "etc", "tmp", "work", "proc", "dev", "sys", "opt", "opt/temper", "opt/temper/tools",
-                  "opt/temper/site"):
-            add(d, mode=0o1777 if d == "tmp" else 0o755)
-        for link in ("bin", "lib", "lib64", "sbin"):
-            host = Path("/" + link)
-            if host.is_symlink():
-                add(link, tarfile.SYMTYPE, os.readlink(host))
-            elif host.is_dir():
-                add(link)
-    data = buf.getvalue()
-    return data, hashlib.sha256(data).hexdigest()[:12]
-
-
-def ensure_image(client) -> str:
-    """Import the skeleton image once (tagged by its content hash); return its reference."""
-    data, tag = _skeleton_tar()
-    ref = f"{SANDBOX_IMAGE}:{tag}"
-    try:
-        client.images.get(ref)
-    except Exception:  # noqa: BLE001 - docker's ImageNotFound
-        client.api.import_image_from_data(data, repository=SANDBOX_IMAGE, tag=tag)
-    return ref
-
-
-class DockerSandbox(_MountedLayout, Sandbox):
-    """A Docker engine through the python SDK, with the same boundary as bwrap: the image is an empty skeleton
-    (imported locally, no registry) and the host's /usr, /lib… and the /etc files the interpreter needs are bound
-    read-only; the root filesystem is read-only; it runs as the unprivileged uid 65534 with every capability
-    dropped and no-new-privileges (so no user namespaces); no network; a sized /tmp; memory, process, CPU-quota,
-    CPU-time and file-size limits set by the engine, where the process cannot lift them; the workspace is a sized
-    tmpfs on the host (as root), bind-mounted at /work."""
-
-    name = "docker"
-
-    def wrap(self, argv, workspace, extra_ro, limits=None):
-        return argv  # unused: run() talks to the engine directly
-
-    def __init__(self, limits: Limits | None = None, image: str | None = None):
-        super().__init__(limits)
-        try:
-            import docker  # type: ignore[import-not-found]
-
-            self.client = docker.from_env()
-            self.client.ping()
-        except Exception as e:  # noqa: BLE001 - any failure means no usable engine
-            raise SandboxUnavailable(f"no Docker engine answers ({type(e).__name__}: {e})") from None
-        self.image = image or ensure_image(self.client)
-        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        if not Path(f"/usr/bin/{ver}").exists():
-            raise SandboxUnavailable(f"the docker sandbox runs the host's /usr/bin/{ver}: apt-get install {ver}")
-        self._python = f"/usr/bin/{ver}"
-        self._root = os.geteuid() == 0
-        self._no_mount = False
-
-    def python(self) -> str:
-        return self._python
-
-    def run_as(self) -> int | None:
-        return SANDBOX_UID if self._root else None  # the workspace must be reachable for it
-
-    def mount_quota(self, path: Path, size: int) -> bool:
-        return BwrapSandbox.mount_quota(self, path, size)
-
-    def info(self) -> dict:
-        quota = self._root and self.probe_quota()
-        return {"backend": self.name, "image": self.image, "process_limit_enforced": True, "cpu_quota": True,
-                "workspace_quota": quota, "host_uid": SANDBOX_UID, "python": self._python}
-
-    def _volumes(self, workspace: Path, extra_ro: dict) -> dict:
-        vols = {"/usr": {"bind": "/usr", "mode": "ro"}}
-        for link in ("bin", "lib", "lib64", "sbin"):
-            if Path("/" + link).is_dir() and not Path("/" + link).is_symlink():
-                vols["/" + link] = {"bind": "/" + link, "mode": "ro"}
-        for f in ETC_FILES:
-            if Path("/etc", f).exists():
-                vols[f"/etc/{f}"] = {"bind": f"/etc/{f}", "mode": "ro"}
-        vols[str(TOOLS_DIR)] = {"bind": SANDBOX_TOOLS, "mode": "ro"}
-        vols[sysconfig.get_paths()["purelib"]] = {"bind": SANDBOX_SITE, "mode": "ro"}
-        for dest, src in extra_ro.items():
-            vols[str(src)] = {"bind": dest, "mode": "ro"}
-        vols[str(workspace)] = {"bind": "/work", "mode": "rw"}
-        return vols
-
-    def run(self, argv, workspace, stdin=None, limits=None, extra_ro=None, env=None) -> RunResult:
-        from docker.types import Ulimit  # type: ignore[import-not-found]
-
-        lim = limits or self.limits
-        run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-                   "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
-        ulimits = [Ulimit(name=n, soft=v, hard=v) for n, v in (("cpu", lim.cpu_seconds), ("fsize", lim.file_size_bytes),
-                                                              ("core", 0))]
-        vols = self._volumes(Path(workspace), extra_ro or {})
-        feed = None
-        if stdin is not None:  # a read-only file, not an attached stream: nothing to hang on
-            feed = Path(tempfile.mkdtemp(prefix="temper-stdin-"))
-            feed.chmod(0o755)
-            (feed / "stdin").write_bytes(stdin.encode() if isinstance(stdin, str) else stdin)
-            (feed / "stdin").chmod(0o644)
-            vols[str(feed / "stdin")] = {"bind": SANDBOX_STDIN, "mode": "ro"}
-        argv = [self._python, "-c", _SHIM, str(int(lim.memory_bytes)), SANDBOX_STDIN if feed else "", *argv]
-        t0 = time.perf_counter()
-        try:
-            c = self.client.containers.create(
-                self.image, argv, working_dir="/work", volumes=vols,
-                network_mode="none", read_only=True, tmpfs={"/tmp": f"size={int(lim.tmp_bytes)},mode=1777"},
-                user=f"{SANDBOX_UID}:{SANDBOX_UID}", cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                mem_limit=lim.memory_bytes, memswap_limit=lim.memory_bytes, pids_limit=lim.max_processes,
-                nano_cpus=int(lim.cpu_quota * 1e9), ulimits=ulimits, environment=run_env, hostname="sandbox",
-                log_config={"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}})
-        except Exception as e:  # noqa: BLE001 - an engine fault is an infrastructure fault, not the agent's
-            if feed is not None:
-                shutil.rmtree(feed, ignore_errors=True)
-            return RunResult(127, "", f"sandbox failed to start: {type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
-        try:
-            c.start()
-            timed_out = False
-            try:
-                rc = c.wait(timeout=lim.wall_seconds)["StatusCode"]
-            except Exception:  # noqa: BLE001 - requests' timeout types vary by version
-                timed_out = True
-                with contextlib.suppress(Exception):
-                    c.kill()
-                rc = -9
-            out = c.logs(stdout=True, stderr=False)
-            err = c.logs(stdout=False, stderr=True)
-            if rc == 137 and not timed_out:
-                rc = -9  # killed (OOM or a limit): as a signalled process reports it
-        finally:
-            with contextlib.suppress(Exception):
-                c.remove(force=True)
-            if feed is not None:
-                shutil.rmtree(feed, ignore_errors=True)
-        cap = lim.output_bytes
-        return RunResult(rc, out[:cap].decode("utf-8", "replace"), err[:cap].decode("utf-8", "replace"),
-                         timed_out, len(out) > cap or len(err) > cap, time.perf_counter() - t0)
 
 
 class UnsafeSubprocess(Sandbox):
@@ -597,6 +501,10 @@ class UnsafeSubprocess(Sandbox):
         return str(src)
 
 
+# the isolated backends by name, in the order "auto" tries them: envs/sandbox_docker.py adds "docker"
+BACKENDS: dict[str, type[Sandbox]] = {}
+
+
 def make_sandbox(kind: str = "auto", limits: Limits | None = None, allow_unsafe: bool = False) -> Sandbox:
     """Build a sandbox: "auto" (bwrap, else docker), "bwrap", "docker" or "unsafe-subprocess"."""
     if kind == "unsafe-subprocess":
@@ -606,14 +514,12 @@ def make_sandbox(kind: str = "auto", limits: Limits | None = None, allow_unsafe:
                 f"allow_unsafe=True or {UNSAFE_ENV}=1"
             )
         return UnsafeSubprocess(limits)
-    if kind == "bwrap":
-        return BwrapSandbox(limits)
-    if kind == "docker":
-        return DockerSandbox(limits)
+    if kind in BACKENDS:
+        return BACKENDS[kind](limits)
     if kind != "auto":
         raise ValueError(f"sandbox kind {kind!r}: expected auto, bwrap, docker or unsafe-subprocess")
     reasons = []
-    for cls in (BwrapSandbox, DockerSandbox):
+    for cls in BACKENDS.values():
         try:
             return cls(limits)
         except SandboxUnavailable as e:
@@ -622,3 +528,6 @@ def make_sandbox(kind: str = "auto", limits: Limits | None = None, allow_unsafe:
         "no sandbox available (" + "; ".join(reasons) + "). Install bubblewrap (apt-get install bubblewrap) or "
         f"start a Docker engine; to run agent code unsandboxed anyway set {UNSAFE_ENV}=1."
     )
+
+
+BACKENDS["bwrap"] = BwrapSandbox
