@@ -2,8 +2,8 @@
 test_ddp_torchrun.py, which compares the gradients, weights and step statistics every rank ends with against one
 process on the whole batch.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ddp_step.py OUT_DIR [MUTANT]
-    python tests/trainers/ddp_step.py OUT_DIR single [MUTANT]
+    python -m torch.distributed.run --nproc_per_node 2 tests/trainers/ddp_step.py OUT_DIR [VARIANTS]
+    python tests/trainers/ddp_step.py OUT_DIR single [VARIANTS]
 
 The optimizers here are plain SGD (the backends' `optimizer` overridden), not the trainers' AdamW: SGD's update is
 linear in the gradient, so two runs whose gradients agree to summation noise (1e-12, which depends on the CPU's
@@ -13,8 +13,10 @@ pass or fail with the machine. The trainers' parallel logic (the row split, the 
 average, the clip, the critic and replay steps) is the same whatever the optimizer; AdamW itself is compared to a
 hand step in tests/trainers/test_backends.py.
 
-MUTANT names a deliberate break (see MUTANTS) that the comparison must catch: the module's source is re-executed
-with one line changed before the trainers are imported.
+VARIANTS is a comma-separated list of runs, each written to OUT_DIR/{single,rank0,rank1}-{variant}.pt: "plain" is
+the trainers as they are; any other name is one of MUTANTS, a deliberate break the comparison must catch (the
+module's source re-executed with one line changed, and restored after the run). One process runs them all, so the
+interpreter and torch start once.
 """
 
 import os
@@ -44,8 +46,9 @@ MUTANTS = {
 }
 
 
-def apply_mutant(name: str) -> None:
-    """Re-execute one trainers module in place with MUTANTS[name]'s line swapped (before anything imports from it)."""
+def apply_mutant(name: str, undo: bool = False) -> None:
+    """Re-execute one trainers module in place with MUTANTS[name]'s line swapped (`undo`: as written). Its classes
+    are new objects: the run imports them after this."""
     import importlib
 
     module, old, new = MUTANTS[name]
@@ -53,7 +56,7 @@ def apply_mutant(name: str) -> None:
     src = Path(mod.__file__).read_text()
     if src.count(old) != 1:
         raise SystemExit(f"mutant {name}: the line to break is not in {mod.__file__} exactly once: {old!r}")
-    exec(compile(src.replace(old, new), mod.__file__, "exec"), mod.__dict__)
+    exec(compile(src if undo else src.replace(old, new), mod.__file__, "exec"), mod.__dict__)
 
 
 def sgd(params, lr, weight_decay=0.0, **_adam):
@@ -124,21 +127,29 @@ def run(backend):
             "init_sft": init_sft, "stats": stats}
 
 
-if __name__ == "__main__":
+def main() -> None:
     torch.set_num_threads(int(os.environ.get("TEMPER_TEST_THREADS") or 1))  # tests/conftest.py
     single = len(sys.argv) > 2 and sys.argv[2] == "single"
-    mutant = sys.argv[3 if single else 2] if len(sys.argv) > (3 if single else 2) else None
-    if mutant:
-        apply_mutant(mutant)
-    from trainers.backends import DDPBackend, TorchBackend
+    rest = sys.argv[3 if single else 2:]
+    variants = rest[0].split(",") if rest else ["plain"]
+    first = None
+    for v in variants:
+        if v != "plain":
+            apply_mutant(v)
+        from trainers.backends import DDPBackend, TorchBackend  # this variant's classes
 
-    tag = f"-{mutant}" if mutant else ""
-    if single:
-        torch.save(run(TorchBackend()), Path(sys.argv[1]) / f"single{tag}.pt")
-    else:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        b = DDPBackend(rank, world)
-        try:
-            torch.save(run(b), Path(sys.argv[1]) / f"rank{rank}{tag}.pt")
-        finally:
-            b.close()
+        if single:
+            torch.save(run(TorchBackend()), Path(sys.argv[1]) / f"single-{v}.pt")
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            b = DDPBackend(rank, world)  # joins the process group once; later variants' backends reuse it
+            first = first or b
+            torch.save(run(b), Path(sys.argv[1]) / f"rank{rank}-{v}.pt")
+        if v != "plain":
+            apply_mutant(v, undo=True)
+    if first is not None:
+        first.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -22,18 +22,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from ddp_step import MUTANTS  # noqa: E402
 
+VARIANTS = ["plain", *sorted(MUTANTS)]
 
-def run_both(out: Path, mutant: str | None = None) -> tuple[dict, list[dict]]:
-    """One process on the whole batch and two torchrun ranks, both with `mutant`'s break (it is in shared code)."""
-    tail = [mutant] if mutant else []
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
+    """Per variant (the trainers as they are, and each mutant: its break is in shared code, so in both runs), one
+    process on the whole batch and two torchrun ranks; one launch each runs every variant."""
+    out = tmp_path_factory.mktemp("ddp")
+    arg = ",".join(VARIANTS)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                    "127.0.0.1", "--master_port", str(free_port()), str(HERE / "ddp_step.py"), str(out), *tail],
+                    "127.0.0.1", "--master_port", str(free_port()), str(HERE / "ddp_step.py"), str(out), arg],
                    check=True, timeout=600, capture_output=True)
-    subprocess.run([sys.executable, str(HERE / "ddp_step.py"), str(out), "single", *tail], check=True, timeout=600,
+    subprocess.run([sys.executable, str(HERE / "ddp_step.py"), str(out), "single", arg], check=True, timeout=600,
                    capture_output=True)
-    tag = f"-{mutant}" if mutant else ""
-    one = torch.load(out / f"single{tag}.pt", weights_only=False)
-    return one, [torch.load(out / f"rank{r}{tag}.pt", weights_only=False) for r in range(2)]
+    return {v: (torch.load(out / f"single-{v}.pt", weights_only=False),
+                [torch.load(out / f"rank{r}-{v}.pt", weights_only=False) for r in range(2)]) for v in VARIANTS}
 
 
 def assert_ranks_equal_one(one: dict, ranks: list[dict]) -> None:
@@ -58,8 +62,8 @@ def assert_ranks_equal_one(one: dict, ranks: list[dict]) -> None:
             assert r["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), k
 
 
-def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
-    one, ranks = run_both(tmp_path)
+def test_two_rank_sft_and_sao_equal_one_rank(runs):
+    one, ranks = runs["plain"]
     assert one["updated"] and all(r["updated"] for r in ranks)
     # the figures compared are away from 0: the second step's replay KL (the first is taken at the reference), the
     # clip fraction, the mismatch
@@ -72,7 +76,7 @@ def test_two_rank_sft_and_sao_equal_one_rank(tmp_path):
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_comparison_catches_a_broken_data_parallel_step(tmp_path, mutant):
-    one, ranks = run_both(tmp_path, mutant)
+def test_comparison_catches_a_broken_data_parallel_step(runs, mutant):
+    one, ranks = runs[mutant]
     with pytest.raises(AssertionError):
         assert_ranks_equal_one(one, ranks)
