@@ -126,7 +126,11 @@ def _iteration_run(temper: TemperResource, iteration: str) -> str:
 def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metrics: dict | None = None,
            params: dict | None = None, bars: dict[str, dict[str, float]] | None = None, live: bool = False) -> dict:
     """Log the stage into its nested MLflow run; return metadata (run link, plot) for the materialisation. With
-    `live`, the child already logged its curves step by step as it trained: only the plot is made from them."""
+    `live`, the child already logged its curves step by step as it trained: only the plot is made from them. A stage
+    that ran episodes logs its crashed share, overall and per family, from its `crashes` report."""
+    from rollout.crashes import crash_metrics
+
+    metrics = {**(metrics or {}), **crash_metrics(out.get("crashes"))}
     tr = temper.tracker()
     run = tr.stage_run(_iteration_run(temper, iteration), iteration, stage)
     curves = out.get("curves") or {}
@@ -357,6 +361,8 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                                     **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
                                     **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
                                     **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
+                                    **{f"{k}_crashed_share": v["crashed_share"] for k, v in out.items()
+                                       if "crashed_share" in v},
                                     **meta})
 
 

@@ -128,7 +128,8 @@ def _sao_run(args, resume: bool) -> int:
     model = dp.wrap(load_checkpoint(args.init) if args.init else Transformer(cfg.model))
     start = 0
     state = load_training_state(out / "state") if resume else None
-    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=1, train_backend=dp)
+    loop = RLLoop(model, train, tok, sandbox, cfg.agent, cfg.sao, cfg.loop, version=1, train_backend=dp,
+                  max_crashed_share=cfg.loop.max_crashed_share)
     if state is not None:
         loop.resume(state)
         start = state.step

@@ -9,6 +9,10 @@ import asyncio
 import json
 from pathlib import Path
 
+from rollout.crashes import CrashedShareExceeded, CrashTally
+
+from .recorder import Recorder  # noqa: F401 - the stages' store writer, imported from here
+
 
 def _quiet(msg: str) -> None:
     """Drop a progress message: the log of a stage run without one."""
@@ -71,55 +75,6 @@ def _backend(cfg, model, tok, out: Path, urls: list[str] | None, router_url: str
                         max_len=cfg.agent.max_context + 8, version=version, name=name)
 
 
-class Recorder:
-    """Every trajectory a stage generates, and what the stage did with it, into the trajectory store.
-
-    Trajectories arrive as they finish (`add`, from any thread); `flush(consumption)` writes those not yet written
-    plus the new consumption rows in one transaction. Stages flush when they checkpoint, so after a kill the store
-    holds what the resumed stage's checkpoint saw. This stage process is the store's one writer meanwhile (its
-    asset holds the `duckdb_writer` pool). Without a store path nothing is written."""
-
-    def __init__(self, store_path: Path | str | None):
-        import threading
-
-        self.path = Path(store_path) if store_path else None
-        self.pending: list = []
-        self.lock = threading.Lock()
-        self.rows_done = 0
-        self.written = 0
-        self.rows = 0
-
-    def add(self, traj) -> None:
-        with self.lock:
-            self.pending.append(traj)
-
-    def flush(self, consumption: list[dict]) -> int:
-        if self.path is None:
-            return 0
-        from store import TrajectoryStore
-
-        with self.lock:
-            trajs, self.pending = self.pending, []
-        rows = consumption[self.rows_done:]
-        with TrajectoryStore(self.path) as st:
-            n = st.write(trajs, rows)
-        self.rows_done = len(consumption)
-        self.written += n
-        self.rows += len(rows)
-        return n
-
-    def repair(self, consumer: str, step: int) -> int:
-        """Before a resumed stage redoes the steps after its checkpoint `step`: drop the consumption rows a killed
-        attempt wrote for them (it flushes before it checkpoints, so the store can be ahead of the state, never
-        behind it). Returns how many rows were dropped."""
-        if self.path is None or not self.path.exists():
-            return 0
-        from store import TrajectoryStore
-
-        with TrajectoryStore(self.path) as st:
-            return st.drop_consumption_after(consumer, step)
-
-
 ITERATION_SEED_STRIDE = 7_919
 ROLLOUT_CHUNK = 16  # rollouts stored per write: what a kill of `rollout_batches` can cost
 # Within an iteration the warm start is policy version 1 (its checkpoint says so); every trainer counts on from it.
@@ -172,6 +127,8 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
     from envs.dataset import read_dataset, write_dataset
     from envs.gate import GateReport, acceptance, validate
 
+    from .crashes import gate_crash, gate_tally
+
     sb = make_sandbox(cfg.envs.sandbox)
     sets = [k for k in ("train", "rl") if specs.get(k)]
     every = [(k, s) for k in sets for s in read_dataset(specs[k])]
@@ -190,9 +147,10 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
             except (ValueError, TypeError):  # a torn write: judge again
                 pass
         rep = validate(spec, sb, probes=probes)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rep.to_dict(), default=str))
-        tmp.replace(path)
+        if gate_crash(rep.to_dict()) is None:  # a crash is the sandbox's, not the spec's: a rerun judges it again
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rep.to_dict(), default=str))
+            tmp.replace(path)
         return rep, False
 
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
@@ -205,13 +163,14 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
         ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
         write_dataset(ok, out / k, {"validated_from": specs[k]})
         res.update({k: str(out / k), f"accepted_{k}": len(ok)})
-    _dump(out / "validation.json", [r.to_dict() for r in reports])
+    _dump(out / "validation.json", [r.to_dict() for r in reports])  # (read it when the crash check below fails)
+    crashes = gate_tally([r.to_dict() for r in reports]).check(cfg.loop.max_crashed_share, "verified_envs")
     accepted = sum(r.accepted for r in reports)
     probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
     return {**res, "accepted": accepted, "total": len(every), "sandbox": sb.name, "verdicts_reused": reused,
             "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
             "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
-            "domains": sorted({s.domain for s in ok})}
+            "domains": sorted({s.domain for s in ok}), "crashes": crashes, "crashed_share": crashes["share"]}
 
 
 def resolve_base(path: str) -> Path:
@@ -379,7 +338,8 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
     tid = {s.id: f"rollout-{iteration}-{tag}-{s.id}" for s in specs}
     progress = store_path.parent / f"rollouts-{iteration:04d}.progress.json"
     with TrajectoryStore(store_path) as st:
-        done = {t.trajectory_id for t in st.read(iteration, ids=list(tid.values()))}
+        stored = st.read(iteration, ids=list(tid.values()))
+        done, crashes = {t.trajectory_id for t in stored}, CrashTally(stored)
         todo = [s for s in specs if tid[s.id] not in done]
         if done:
             log(f"resuming: {len(done)} of {len(specs)} rollouts already stored")
@@ -391,8 +351,10 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
             if pending and (final or len(pending) >= ROLLOUT_CHUNK):
                 st.write(pending)
                 done.update(x.trajectory_id for x in pending)
+                crashes.add(pending)  # stored first: a failure below loses nothing
                 pending.clear()
                 _dump(progress, {"stored": len(done), "total": len(specs)})
+                crashes.check(cfg.loop.max_crashed_share, "rollout_batches", planned=len(specs))
 
         async def go():
             await load_weights(urls, checkpoint, version=WARM_VERSION)
@@ -410,7 +372,9 @@ def rollout_batches(cfg, checkpoint: str, envs: dict, store_path: Path, iteratio
         trajs = st.read(iteration, ids=list(tid.values()))
         n = len(trajs)
         export = st.export_parquet(iteration, store_path.parent / "parquet")
+    lost = CrashTally(trajs).check(cfg.loop.max_crashed_share, "rollout_batches")  # every one, resumed or not
     return {"trajectories": n, "resumed_with": len(specs) - len(todo), "tokens": sum(t.n_tokens for t in trajs),
+            "crashes": lost, "crashed_share": lost["share"],
             "store": str(store_path), "parquet": str(export),
             "trajectory_ids": [t.trajectory_id for t in trajs], "policy_version": WARM_VERSION,
             "mean_reward": sum(t.reward for t in trajs) / max(1, len(trajs)), "workers": urls,
@@ -613,7 +577,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
     warm = [t for t in own_warm() if t.env_id in ids] if state is None and main else []
     loop = RLLoop(model, specs, tok, sb, cfg.agent, cfg.sao, cfg.loop, version=WARM_VERSION, backend=backend,
                   on_trajectory=rec.add, iteration=iteration, consumer=f"sao:{domain}", warm=warm, train_backend=dp,
-                  replay=replay)
+                  replay=replay, max_crashed_share=cfg.loop.max_crashed_share)
     if replay:
         log(f"{domain}: replay anchor on {len(replay)} warm rollouts it does not train on "
             f"({loop.replay_tokens} policy tokens, β {cfg.sao.replay_coef})")
@@ -642,6 +606,9 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     try:
         loop.run(max(0, cfg.loop.steps - start), on_step)
+    except CrashedShareExceeded:
+        rec.flush(loop.consumption)  # the lost episodes go to the store, to be read (a resumed run repairs the rows)
+        raise
     finally:
         if backend is not None:
             backend.close()
@@ -651,7 +618,9 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
         return {}
     rec.flush(loop.consumption)
     save_checkpoint(final, out / "checkpoint", policy_version=loop.version)
+    crashes = loop.crashes.report()
     return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "domain": domain, "version": loop.version,
+            "crashes": crashes, "crashed_share": crashes["share"],
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
             "updates": sum(1 for h in hist if h.get("updated")),
             "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
@@ -726,22 +695,24 @@ def teacher_gate(cfg, warm: str, experts: dict[str, str], envs: dict, cache: Pat
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     val = [s for s in read_dataset(envs["val"]) if s.domain in experts]
 
-    def rewards(ckpt: str, specs) -> list[float]:
+    def episodes(ckpt: str, specs, who: str) -> list:
         ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, n_slots=cfg.loop.n_slots,
                       concurrency=cfg.loop.batch_in_flight)
-        return [t.reward for t in ev["trajectories"]]
+        CrashTally(ev["trajectories"]).check(cfg.loop.max_crashed_share, f"teacher_gate ({who})")
+        return ev["trajectories"]
 
-    base = dict(zip((s.id for s in val), rewards(warm, val)))
+    base = dict(zip((s.id for s in val), episodes(warm, val, "warm start")))
     gate = {}
     for dom, ckpt in sorted(experts.items()):
         mine = [s for s in val if s.domain == dom]
-        got = rewards(ckpt, mine)
-        was = [base[s.id] for s in mine]
+        got_t, was_t = episodes(ckpt, mine, f"{dom} expert"), [base[s.id] for s in mine]
+        got, was = [t.reward for t in got_t], [t.reward for t in was_t]
         gained = sum(1 for a, b in zip(was, got) if b > a)
         lost = sum(1 for a, b in zip(was, got) if b < a)
         n = max(1, len(mine))
         gate[dom] = {"n": len(mine), "warm_start": sum(was) / n, "expert": sum(got) / n, "gained": gained,
-                     "lost": lost, "teaches": gained > lost}
+                     "lost": lost, "teaches": gained > lost,
+                     "crashes": {"warm_start": CrashTally(was_t).report(), "expert": CrashTally(got_t).report()}}
         log(f"OPD gate: {dom} expert {gate[dom]['expert']:.2f} vs warm start {gate[dom]['warm_start']:.2f} on "
             f"{len(mine)} validation tasks ({gained} gained / {lost} lost): "
             + ("teaches" if gained > lost else "left out, the student keeps the warm start there"))
@@ -836,9 +807,10 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         pool = TeacherPool(teachers, max_resident=2 if anchored else 1,  # the anchor is every step's second teacher
                            device=next(student.parameters()).device)  # the teachers score where the student trains
     trainer = OPDTrainer(student, pool, cfg.opd, backend=dp, route=route)
-    start, hist = 0, []
+    start, hist, crashes = 0, [], CrashTally()
     if resuming:
         state = restore(load_training_state(out / "state"), student, trainer.opt, backend=dp)
+        crashes = CrashTally.from_state(state.extra.get("crashes"))
         was = state.extra.get("anchored", anchored)  # states saved before the anchor existed carry none
         if was != anchored:
             raise ValueError(f"OPD state in {out / 'state'} was saved with the warm start teaching "
@@ -866,6 +838,14 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
         for step in range(start, cfg.opd.steps if specs else 0):
             batch = [specs[(step * cfg.loop.batch_size + i) % len(specs)] for i in range(cfg.loop.batch_size)]
             trajs = from_main(dp, lambda b=batch: asyncio.run(episodes(b)))  # every rank trains on rank 0's episodes
+            crashes.add(trajs)
+            try:  # before training on them: fail as soon as the crashed share is certain to be too high
+                crashes.check(cfg.loop.max_crashed_share, "opd", planned=cfg.opd.steps * cfg.loop.batch_size)
+            except CrashedShareExceeded:
+                for t in trajs:  # the lost episodes go to the store, to be read
+                    rec.add(t)
+                rec.flush(consumption)
+                raise
             for t in trajs:
                 rec.add(t)
                 vs = t.policy_versions()
@@ -886,7 +866,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
                 if main or dp.sharded_state:
                     save_training_state(out / "state", policy=student, optimizer=trainer.opt, step=step + 1,
                                         policy_version=2, data_cursor=step + 1,
-                                        extra={"history": hist, "anchored": anchored}, keep=2, backend=dp)
+                                        extra={"history": hist, "anchored": anchored, "crashes": crashes.state()},
+                                        keep=2, backend=dp)
             log(f"OPD step {step + 1}/{cfg.opd.steps} reverse KL {st.get('reverse_kl', 0.0):.4f}")
         rec.flush(consumption)
     finally:
@@ -903,7 +884,7 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
             "resumed_from_step": start, "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,
-            **_mismatch_summary(hist)}
+            "crashes": (lost := crashes.report()), "crashed_share": lost["share"], **_mismatch_summary(hist)}
 
 
 def taught_domains(opd: dict) -> list[str] | None:
@@ -964,7 +945,15 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             rec.add(t)
             consumption.append({"trajectory_id": t.trajectory_id, "stage": "eval", "consumer": f"eval:{who}",
                                 "step": None, "policy_version": 0, "staleness": 0, "outcome": "evaluated"})
+        crashes.add(ev["trajectories"])
+        try:  # a pass@1 over what is left would read a broken sandbox as a worse policy
+            CrashTally(ev["trajectories"]).check(cfg.loop.max_crashed_share, f"evaluation ({who})")
+        except CrashedShareExceeded:
+            rec.flush(consumption)  # the lost episodes go to the store, to be read
+            raise
         return ev
+
+    crashes = CrashTally()  # every episode of the stage, every policy's
 
     after = run(student, held, "student")
     log(f"student pass@1 {after['pass@1']:.3f} {after['domain']}")
@@ -1003,5 +992,6 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             "teaching": {d: taught is None or d in taught for d in teachers},
             "stats": stats, "gained": overall["gained"], "lost": overall["lost"], "p_value": overall["p_value"],
             "significant": significant_gain(overall), "stored_trajectories": rec.written,
+            "crashes": (lost := crashes.report()), "crashed_share": lost["share"],
             "domains_fell_significantly": [d for d, v in stats.items() if d != "all" and v["test"]["lost"] > v["test"]["gained"]
                                            and v["test"]["p_value"] < 0.05]}

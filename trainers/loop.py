@@ -13,7 +13,9 @@ which is what the staleness bound τ measures. With SAO's bound, admission contr
 if, trained in its turn, it would be within τ versions (`bound_admission`); the trainer drops the late ones.
 
 What the trainer did with every trajectory (trained on it at step s, or dropped it as stale, crashed or
-empty) is kept in `consumption`, for the trajectory store.
+empty) is kept in `consumption`, for the trajectory store. Every fresh batch is counted in `crashes` (per family:
+crashed and aborted episodes, with their causes) before it is trained on; with `max_crashed_share` the loop fails
+(`CrashedShareExceeded`) instead of training on what is left (see `rollout/crashes.py`).
 
 Sync mode: generate a batch with the current weights, wait for all of it, train, push (GRPO's shape:
 `group_size` rollouts per prompt).
@@ -45,6 +47,7 @@ from model import (
 from model.tokenizer import Tokenizer
 from rollout.agent import Agent, AgentConfig, run_episodes
 from rollout.backend import InProcessBackend
+from rollout.crashes import CrashTally
 from rollout.types import Trajectory
 
 from .config import LoopConfig
@@ -56,7 +59,7 @@ class RLLoop:
                  agent_cfg: AgentConfig, sao_cfg: SAOConfig, cfg: LoopConfig | None = None, version: int = 0,
                  on_trajectory: Callable[[Trajectory], None] | None = None, iteration: int = 0,
                  backend=None, consumer: str = "sao", train_backend=None, warm: list[Trajectory] | None = None,
-                 replay: list[Trajectory] | None = None):
+                 replay: list[Trajectory] | None = None, max_crashed_share: float | None = None):
         """`backend`: a RolloutBackend already serving `actor` at `version` (None: an in-process engine).
         `train_backend`: the trainer's data-parallel runtime (trainers/backends.py). With several ranks, rank 0
         owns the rollout side (episodes, the batch queue, the weight pushes) and hands every batch to the other
@@ -67,7 +70,9 @@ class RLLoop:
         at once ("train": one large, costly step), before any fresh rollout; "off" ignores them.
         `replay`: warm-start trajectories this loop does not train on, the rows of the replay anchor
         (`sao.replay_coef`; see `SAOTrainer.set_replay`). Every rank needs them, and the actor must still be the
-        warm start (a resumed loop is restored after it is built)."""
+        warm start (a resumed loop is restored after it is built).
+        `max_crashed_share`: fail when a family's crashed share (crashed episodes of the fresh batches; aborted ones
+        are only counted) is above it, as soon as that is certain (the stages pass `loop.max_crashed_share`); None: count only."""
         from .backends import TorchBackend
 
         self.actor, self.specs, self.tok, self.sandbox = actor, specs, tok, sandbox
@@ -110,6 +115,8 @@ class RLLoop:
         self._rloop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
         self.warm = list(warm or []) if self.cfg.warm_rollouts != "off" else []
+        self.crashes, self.max_crashed_share = CrashTally(), max_crashed_share
+        self._planned: int | None = None  # fresh episodes this loop will have counted when `run` ends
 
     def _next_spec(self) -> TaskSpec:
         s = self.specs[self._cursor % len(self.specs)]
@@ -152,6 +159,7 @@ class RLLoop:
         # it; without one (another mode, the last step) the cursor is that of the environments trained on
         if self._ahead_batch is not None:
             extra["ahead_batch"] = self._ahead_batch
+        extra["crashes"] = self.crashes.state()  # (the ahead batch is counted when it is trained on)
         return save_training_state(dir, policy=self.actor, optimizer=t.opt, step=step, policy_version=self.version,
                                    data_cursor=self._cursor, critic=t.critic,
                                    critic_optimizer=getattr(t, "copt", None), extra=extra, keep=keep, backend=self.dp)
@@ -166,6 +174,7 @@ class RLLoop:
         t.steps = int(state.extra.get("trainer_updates", state.step))  # states saved before it was kept: the step
         self.loop_steps = state.step
         self._cursor = int(state.data_cursor)
+        self.crashes = CrashTally.from_state(state.extra.get("crashes"))
         ahead = state.extra.get("ahead_batch")
         self._resumed_ahead = ahead if self.dp.is_main else None  # (rank 0 hands every batch to the others)
         if ahead is not None and self.cfg.mode != "pipelined":  # on every rank: none goes on to wait for the others
@@ -250,9 +259,14 @@ class RLLoop:
         try:
             fresh = self.loop_steps == 0  # no step taken yet, an update or not (a resumed loop has taken some)
             warm = self._shared(lambda: self.warm) if fresh else []
-            if self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and fresh:
+            pretrain = self.trainer.critic is not None and self.trainer.cfg.value_pretrain_steps and fresh
+            per = max(1, self.cfg.batch_size // self.cfg.group_size) * self.cfg.group_size \
+                if self.cfg.mode == "sync" else self.cfg.batch_size
+            batches = steps + bool(pretrain and not warm) - bool(warm and self.cfg.warm_rollouts == "train" and steps)
+            self._planned = self.crashes.episodes + batches * per
+            if pretrain:
                 # value pre-training before any actor update: on the warm rollouts, or on the first fresh batch
-                first = warm or self._collect()
+                first = warm or self._counted(self._collect())
                 self.trainer.value_pretrain(first, batch_size=self.cfg.batch_size)  # each update costs one batch
                 if not warm:
                     self._batch_done()
@@ -266,7 +280,7 @@ class RLLoop:
 
                     raise TimeCapExceeded(f"RL loop hit its safety cap of {max_seconds:g} s at step {step} of {steps}")
                 fresh = not warm
-                batch, warm = (warm, []) if warm else (self._collect(ahead), [])
+                batch, warm = (warm, []) if warm else (self._counted(self._collect(ahead)), [])
                 ahead = self._ahead() if self.cfg.mode == "pipelined" and step + 1 < steps else None
                 st = self.trainer.step(batch, self.version)
                 self.loop_steps += 1
@@ -297,6 +311,13 @@ class RLLoop:
             if self._own_backend:
                 self.backend.close()
         return hist
+
+    def _counted(self, batch: list[Trajectory]) -> list[Trajectory]:
+        """A fresh batch, counted in `crashes` and checked before anything trains on it (every rank holds the same
+        batch, so every rank fails together)."""
+        self.crashes.add(batch)
+        self.crashes.check(self.max_crashed_share, self.consumer, planned=self._planned)
+        return batch
 
     def _collect(self, ahead: list[Trajectory] | None = None) -> list[Trajectory]:
         """The next training batch, on every rank: what pipelined mode generated ahead, else a fresh one."""

@@ -243,7 +243,10 @@ def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_pat
     assert k > 0  # the shipped base solves some one-constant edits
 
     up = stages.teacher_gate(cfg, rand, {"code": base}, envs)["code"]
+    crashes = up.pop("crashes")  # per family, each policy's episodes on the domain: none lost here
     assert up == {"n": len(code), "warm_start": 0.0, "expert": k / len(code), "gained": k, "lost": 0, "teaches": True}
+    assert {w: (c["episodes"], c["share"]) for w, c in crashes.items()} == {"warm_start": (len(code), 0.0),
+                                                                          "expert": (len(code), 0.0)}
     down = stages.teacher_gate(cfg, base, {"code": rand}, envs)["code"]
     assert (down["gained"], down["lost"], down["teaches"]) == (0, k, False)
     same = stages.teacher_gate(cfg, rand, {"code": rand, "math": rand}, envs)
