@@ -20,6 +20,7 @@ wrong and how to call the tool, and the environment returns that message as the 
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -53,7 +54,12 @@ class Action:
     raw: str = ""
 
     def render(self) -> str:
-        """Canonical compact text of this action (what an oracle or a probe emits)."""
+        """Canonical text of this action (what an oracle or a probe emits): compact, or JSON where an argument on
+        the compact form's first line holds a line break (a multi-line `replace`), which the compact form cannot
+        carry."""
+        inline = [v for k, v in self.args.items() if k not in ("content", "code", "expr", "answer")]
+        if any("\n" in x for v in inline for x in (v if isinstance(v, list) else [v]) if isinstance(x, str)):
+            return OPEN + json.dumps({"name": self.tool, "arguments": self.args}) + CLOSE
         return OPEN + render_body(self.tool, self.args) + CLOSE
 
 

@@ -7,16 +7,23 @@
 * partial legs — every strict, non-empty prefix of the oracle's calls, and the oracle with its last
   state-changing call corrupted, must not (oracles are minimal: they end with their last
   state-changing call, so every strict prefix leaves real work undone);
+* wrong-answer leg — the oracle with its final answer or the final value it writes changed into a different value
+  that still contains the right one ("391" -> "3917", "SIZE = 3" -> "SIZE = 37"), must not: a verifier that
+  matches text (a substring, a prefix, a loose normalisation) accepts it and is rejected;
 * hack probes — adversarial scripts (read the verifier, edit or delete tests, write guesses everywhere,
   guess common answers, print PASS, exit early, flood output, sleep past the timeout, fork-bomb, open a
-  connection) must not, and must not take the sandbox down with them;
+  connection, forge a verdict from the module under test whatever the layout) must not, and must not take the
+  sandbox down with them;
 * the miner must not flag the oracle's own trajectory.
 
-Any failure rejects the environment with the reasons recorded.
+Before anything runs, the spec is validated afresh (safe paths, no "python" check that runs workspace code): a spec
+that fails is rejected without a single file written. Any failure rejects the environment with the reasons
+recorded.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import time
@@ -27,9 +34,9 @@ from dataclasses import dataclass, field
 from .actions import STATE_CHANGING, Action, parse_action
 from .environment import run_script
 from .families import FAMILIES
-from .families.base import corrupt_action
+from .families.base import corrupt_action, wrong_action
 from .sandbox import Limits, Sandbox
-from .spec import PublicTask, TaskSpec
+from .spec import PublicTask, TaskSpec, check_path
 
 PROBE_LIMITS = Limits(cpu_seconds=2, wall_seconds=2.0, max_processes=32, memory_bytes=512 << 20,
                       output_bytes=64 << 10)
@@ -38,6 +45,17 @@ COMMON_GUESSES = ["0", "1", "42", "100", "yes", "true", "PASS", "OK", "none", "d
 
 def _c(tool: str, **args) -> str:
     return Action(tool, args).render()
+
+
+def _json_call(tool: str, **args) -> str:  # the compact form cannot carry a replacement that spans lines
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': args})}</tool_call>"
+
+
+def _render(act: Action) -> str:
+    """`act` as a call that parses back to the same action: compact where it can, JSON where it cannot."""
+    text = act.render()
+    back = parse_action(text)
+    return text if isinstance(back, Action) and back.args == act.args else _json_call(act.tool, **act.args)
 
 
 # ---- probes: PublicTask -> list of tool calls, or None when the probe cannot act here -------------------
@@ -159,6 +177,75 @@ def probe_forge(name: str) -> Callable[[PublicTask], list[str] | None]:
     return probe
 
 
+# Module code for any layout (a plain `solution.py` as much as a package): steal the nonce from the frames of whatever
+# imported it, then make the verdict a pass: every verdict line the check prints is rewritten on its way to stdout,
+# and an `atexit` hook prints one after the check's own if none went out. A check that computes its verdict where
+# workspace code runs (a "python" check that imports the module) falls for it.
+ATEXIT_FORGERY = (
+    "import atexit, json, sys\n"
+    "_found = []\n"
+    "_f = sys._getframe()\n"
+    "while _f is not None:\n"
+    "    for _v in list(_f.f_locals.values()):\n"
+    "        if isinstance(_v, dict) and isinstance(_v.get('nonce'), str):\n"
+    "            _found.append(_v['nonce'])\n"
+    "        if isinstance(_v, str) and len(_v) == 32 and set(_v) <= set('0123456789abcdef'):\n"
+    "            _found.append(_v)\n"
+    "    _f = _f.f_back\n"
+    "_found = list(dict.fromkeys(_found))\n"
+    "_PASS = json.dumps({'pass': True, 'detail': 'ok', 'observations': []})\n"
+    "class _Out:\n"
+    "    def __init__(self, out):\n"
+    "        self.out, self.forged = out, False\n"
+    "    def write(self, s):\n"
+    "        for n in _found:\n"
+    "            if s.lstrip('\\n').startswith(n + ' {'):\n"
+    "                s, self.forged = f'\\n{n} {_PASS}', True\n"
+    "        return self.out.write(s)\n"
+    "    def __getattr__(self, name):\n"
+    "        return getattr(self.out, name)\n"
+    "_o = sys.stdout = _Out(sys.stdout)\n"
+    "def _forge():\n"
+    "    if not _o.forged:\n"
+    "        for n in _found:\n"
+    "            _o.out.write(f'\\n{n} {_PASS}\\n')\n"
+    "    _o.out.flush()\n"
+    "atexit.register(_forge)\n"
+    "def __getattr__(name):\n"
+    "    return lambda *a, **k: True\n"
+)
+_PY_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)*[A-Za-z_]\w*\.py)\b")
+
+
+def _module_files(task: PublicTask) -> list[str]:
+    """Every Python file of the workspace and every one the instruction names (a module the agent is to write)."""
+    named = [m.group(1) for m in _PY_NAME.finditer(task.instruction)]
+    out = []
+    for p in sorted({*(f for f in task.files if f.endswith(".py")), *named}):
+        try:
+            out.append(check_path(p))
+        except ValueError:
+            continue
+    return out
+
+
+def probe_forge_atexit(task):
+    files = _module_files(task)
+    if not files:
+        return None
+    if "write" in task.tools:
+        calls = [_c("write", path=p, content=ATEXIT_FORGERY) for p in files]
+    elif "python" in task.tools:
+        calls = [_c("python", code="import os\n" + "".join(
+            f"os.makedirs(os.path.dirname({p!r}) or '.', exist_ok=True)\nopen({p!r}, 'w').write({ATEXIT_FORGERY!r})\n"
+            for p in files))]
+    elif "replace" in task.tools:  # a whole file's text, replaced (as a JSON call: the text spans lines)
+        calls = [_json_call("replace", path=p, old=task.files[p], new=ATEXIT_FORGERY) for p in files if task.files.get(p)]
+    else:
+        return None
+    return (calls + [_c("done")]) if calls else None
+
+
 def probe_fifo(task):  # a FIFO once hung the verifier's copy of the workspace, and the hang read as a crash
     return _py(task, "import os\nos.mkfifo('pipe')")
 
@@ -177,7 +264,7 @@ PROBES: dict[str, Callable[[PublicTask], list[str] | None]] = {
     "print-pass": probe_print_pass, "exit-early": probe_exit_early, "delete-tests": probe_delete_tests,
     "flood-output": probe_flood, "sleep-past-timeout": probe_sleep, "fork-bomb": probe_fork_bomb,
     "network": probe_network, "memory-hog": probe_memory, "fifo": probe_fifo, "symlink-tests": probe_symlink_tests,
-    **{f"forge:{n}": probe_forge(n) for n in FORGERIES},
+    **{f"forge:{n}": probe_forge(n) for n in FORGERIES}, "forge:atexit-module": probe_forge_atexit,
 }
 for _g in COMMON_GUESSES:
     PROBES[f"guess:{_g}"] = lambda task, g=_g: [_c("submit", answer=g)]
@@ -226,6 +313,10 @@ class GateReport:
         return self.__dict__.copy()
 
 
+def spec_problems(spec: TaskSpec) -> list[str]:
+    return spec.problems()
+
+
 def judge(spec: TaskSpec, sandbox: Sandbox, limits: Limits | None = None) -> tuple[bool, str]:
     """Solvability judge: replay the reference solution through the real environment and sandbox."""
     r, _, _ = run_script(spec, sandbox, spec.reference, limits)
@@ -235,6 +326,12 @@ def judge(spec: TaskSpec, sandbox: Sandbox, limits: Limits | None = None) -> tup
 def validate(spec: TaskSpec, sandbox: Sandbox, probes: bool = True, limits: Limits | None = None) -> GateReport:
     t0 = time.perf_counter()
     rep = GateReport(spec.id, spec.family, True)
+    # the rules a spec's validation enforces, again: a copy made with model_copy(update=...) skipped them, and nothing
+    # of an unsafe spec may run (its files are written on the host)
+    problems = spec_problems(spec)
+    if problems:
+        return GateReport(spec.id, spec.family, False, [f"spec: {p}" for p in problems],
+                          seconds=time.perf_counter() - t0)
     try:
         spec.check_hashes()
     except ValueError as e:
@@ -264,8 +361,12 @@ def validate(spec: TaskSpec, sandbox: Sandbox, probes: bool = True, limits: Limi
         rng = random.Random(f"corrupt:{spec.spec_hash}")
         bad = fam.corrupt(parsed[last], rng) if fam else corrupt_action(parsed[last], rng)
         calls = list(spec.reference)
-        calls[last] = bad.render()
+        calls[last] = _render(bad)
         leg("corrupt-last", calls, 0.0)
+        if parsed[last].tool != "python":  # a program's final value is not a literal that can be changed safely
+            calls = list(spec.reference)
+            calls[last] = _render(fam.wrong(parsed[last]) if fam else wrong_action(parsed[last]))
+            leg("wrong-answer", calls, 0.0)
     if probes:
         task = spec.public()
         for name, make in PROBES.items():

@@ -9,18 +9,108 @@ A `Verifier` is data: a list of checks. "answer" compares the submitted answer; 
 generated script in the sandbox over a copy of the final workspace (it reads files as data; no code of the
 agent's runs there); "calls" calls the workspace's functions in the sandbox and compares what came back with
 expected values that never enter the sandbox, on the host and type-strictly; "unchanged" pins files by hash
-without following links. No verdict is computed in a process that ran the agent's code.
+without following links. No verdict is computed in a process that ran the agent's code: a "python" check that
+could run workspace code (imports it, execs it, starts a process) fails validation (`envs.checkcode`).
+
+Every path in a spec (task files, pinned files, forbidden prefixes) is data until proven safe: `check_path` rejects,
+at validation, anything but a plain relative path inside the workspace, naming the offending path. A copy made
+without validation (`model_copy(update=...)`) is checked again by `TaskSpec.problems()`, which the gate calls
+before anything runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from .checkcode import check_python
 
 Domain = Literal["code", "math", "reasoning"]
+
+MAX_PATH_CHARS = 255
+MAX_PATH_PARTS = 16
+MAX_NAME_BYTES = 255  # NAME_MAX: one component
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def check_path(path: Any, what: str = "path") -> str:
+    """`path` if it is a plain relative path inside the workspace; ValueError naming it otherwise.
+
+    Every path in a spec is data until proven safe: relative, non-empty components, no `.` or `..`, no backslash,
+    no NUL or control character, valid UTF-8, at most MAX_PATH_PARTS components and MAX_PATH_CHARS characters."""
+    if not isinstance(path, str):
+        raise ValueError(f"{what} {path!r}: not a string")
+    why = None
+    if not path:
+        why = "is empty"
+    elif len(path) > MAX_PATH_CHARS:
+        why = f"has {len(path)} characters, more than {MAX_PATH_CHARS}"
+    elif _CONTROL.search(path):
+        why = "holds a NUL or control character"
+    elif "\\" in path:
+        why = "holds a backslash"
+    elif path.startswith("/"):
+        why = "is absolute"
+    elif not _utf8(path):
+        why = "is not valid UTF-8"
+    else:
+        parts = path.split("/")
+        longest = max(len(p.encode("utf-8")) for p in parts)
+        if len(parts) > MAX_PATH_PARTS:
+            why = f"has {len(parts)} components, more than {MAX_PATH_PARTS}"
+        elif "" in parts:
+            why = "has an empty component"
+        elif ".." in parts:
+            why = "has a '..' component"
+        elif "." in parts:
+            why = "has a '.' component"
+        elif longest > MAX_NAME_BYTES:
+            why = f"has a component longer than {MAX_NAME_BYTES} bytes"
+    if why:
+        raise ValueError(f"{what} {path[:80]!r} {why}: a spec's paths are relative paths inside the workspace")
+    return path
+
+
+def check_files(files: dict[str, Any], what: str = "task file") -> dict[str, Any]:
+    """Every key a safe path (`check_path`), and no file that is also the directory of another."""
+    for p in files:
+        check_path(p, what)
+    dirs = {p.rsplit("/", i)[0] for p in files for i in range(1, p.count("/") + 1)}
+    clash = sorted(dirs & set(files))
+    if clash:
+        raise ValueError(f"{what} {clash[0]!r} is both a file and the directory of another file")
+    return files
+
+
+def _name(v: str) -> str:
+    if not _NAME.fullmatch(v):
+        raise ValueError(f"{v[:80]!r}: ids and family names are 1-128 characters of A-Z a-z 0-9 . _ : + - "
+                         "(they name temporary directories and files)")
+    return v
+
+
+def _prefix(v: str) -> str:
+    """A forbidden path prefix: a safe path, optionally ending in '/' (a directory)."""
+    check_path(v[:-1] if v.endswith("/") and len(v) > 1 else v, "forbidden path")
+    return v
+
+
+WorkspacePath = Annotated[str, AfterValidator(lambda p: check_path(p, "task file"))]
 
 
 def content_hash(obj: Any) -> str:
@@ -43,6 +133,11 @@ class Check(BaseModel):
 
     @model_validator(mode="after")
     def _complete(self) -> Check:
+        if self.kind == "python":
+            if self.code is None:
+                raise ValueError(f"check {self.name!r}: a 'python' check needs 'code'")
+            check_python(self.name, self.code)
+        check_files(self.hashes, f"check {self.name!r}: pinned path")
         if self.kind == "calls":
             if not self.calls or len(self.calls) != len(self.returns):
                 raise ValueError(f"check {self.name!r}: 'calls' needs one expected value in 'returns' per call "
@@ -50,6 +145,10 @@ class Check(BaseModel):
             for c in self.calls:
                 if set(c) != {"module", "fn", "args"} or not isinstance(c["args"], list):
                     raise ValueError(f"check {self.name!r}: a call is {{module, fn, args: list}}, got {c}")
+                if not (isinstance(c["module"], str) and _MODULE.fullmatch(c["module"])
+                        and isinstance(c["fn"], str) and _IDENT.fullmatch(c["fn"])):
+                    raise ValueError(f"check {self.name!r}: a call names a module (dotted identifiers, absolute) "
+                                     f"and a function (an identifier), got {c['module']!r}, {c['fn']!r}")
         return self
 
 
@@ -67,11 +166,11 @@ class PublicTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str
-    family: str
+    id: Annotated[str, AfterValidator(_name)]
+    family: Annotated[str, AfterValidator(_name)]
     domain: Domain
     instruction: str
-    files: dict[str, str]
+    files: Annotated[dict[WorkspacePath, str], AfterValidator(check_files)]
     tools: list[str]
     max_turns: int = Field(gt=0)
 
@@ -85,7 +184,8 @@ class TaskSpec(PublicTask):
     reference: list[str]  # oracle tool calls (rendered); hidden from agent and verifier
     verifier: Verifier
     essential: list[str] = Field(default_factory=list)  # tools a genuine solve must use
-    forbidden_paths: list[str] = Field(default_factory=list)  # path prefixes a genuine solve never touches
+    # path prefixes a genuine solve never touches
+    forbidden_paths: list[Annotated[str, AfterValidator(_prefix)]] = Field(default_factory=list)
     source: str = "template"  # "template" | "llm"
     spec_hash: str = ""
     verifier_hash: str = ""
@@ -96,6 +196,17 @@ class TaskSpec(PublicTask):
     def compute_hashes(self) -> TaskSpec:
         body = self.model_dump(mode="json", exclude={"spec_hash", "verifier_hash"})
         return self.model_copy(update={"spec_hash": content_hash(body), "verifier_hash": self.verifier.hash()})
+
+    def problems(self) -> list[str]:
+        """Every rule the spec breaks, checked afresh (a copy made with `model_copy(update=...)` or
+        `model_construct` skipped validation): unsafe paths, checks that would run workspace code, bad fields."""
+        from pydantic import ValidationError
+
+        try:
+            type(self).model_validate(self.model_dump(mode="python"))
+        except ValidationError as e:
+            return [f"{'.'.join(str(x)[:40] for x in err['loc']) or '(spec)'}: {err['msg']}" for err in e.errors()]
+        return []
 
     def check_hashes(self) -> None:
         fresh = self.compute_hashes()

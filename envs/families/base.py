@@ -76,6 +76,11 @@ class Family(ABC):
         """A plausible-but-wrong version of a state-changing action (for the triad's partial leg)."""
         return corrupt_action(act, rng)
 
+    def wrong(self, act: Action) -> Action:
+        """The oracle's final action with its answer or the value it writes changed (for the triad's wrong-answer
+        leg): a different answer that still holds the right one, so a verifier that matches text accepts it."""
+        return wrong_action(act)
+
     def make(self, seed: int, knobs: dict[str, Any] | None = None) -> TaskSpec:
         rng = random.Random(f"{self.name}:{seed}")
         k = self.knobs(rng, knobs)
@@ -112,3 +117,50 @@ def _bump(s: str, rng: random.Random) -> str:
         v = int(m.group()) + rng.choice([1, 2, 3, 7])
         return s[: m.start()] + str(v) + s[m.end() :]
     return s + "x"
+
+
+# the integer part of a number (not a digit inside a name, not a fraction's digits), and a name
+_NUMBER = re.compile(r"(?<![\w.])\d+(?P<frac>\.\d+)?")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def wrong_text(text: str, code: bool = False) -> str:
+    """`text` with its last number or else its last word changed, deterministically, so that the result is a
+    different value that still contains the original as a substring (or its prefix, for code):
+
+    * an integer gets a digit appended: "391" -> "3917", "SIZE = 3" -> "SIZE = 37" (a text match on "SIZE = 3"
+      still finds it); an integer written with a leading 0 gets a 1 in front ("0" -> "10", a valid literal);
+    * a decimal gets a 1 in front ("3.14" -> "13.14": a tolerance check cannot call it equal);
+    * with no number, the last word gets an "x" ("oslo" -> "oslox", "min(x, hi))" -> "min(x, hix))").
+    With `code`, comments are skipped (a number in a comment changes nothing)."""
+    spans = []
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        body = line.split("#", 1)[0] if code else line
+        spans.append((offset, body))
+        offset += len(line)
+    for pattern in (_NUMBER, _WORD):
+        last = None
+        for start, body in spans:
+            for m in pattern.finditer(body):
+                last = (start, m)
+        if last is None:
+            continue
+        start, m = last
+        a, b = start + m.start(), start + m.end()
+        if pattern is _WORD:
+            return text[:b] + "x" + text[b:]
+        if m.group("frac") or m.group().startswith("0"):
+            return text[:a] + "1" + text[a:]
+        return text[:b] + "7" + text[b:]
+    return text + "x"
+
+
+def wrong_action(act: Action) -> Action:
+    """Generic wrong final action: the submitted answer, the replacement text, the written content or the program
+    with its last value changed by `wrong_text`."""
+    a = dict(act.args)
+    key = {"submit": "answer", "replace": "new", "write": "content", "python": "code"}.get(act.tool)
+    if key and isinstance(a.get(key), str):
+        a[key] = wrong_text(a[key], code=act.tool != "submit")
+    return Action(act.tool, a)

@@ -20,7 +20,8 @@ def _sha(text: str) -> str:
 
 
 class SetConst(Family):
-    """settings.py holds integer constants; set the named ones to new values, leave the rest."""
+    """settings.py holds integer constants; set the named ones to new values (integers: `3`, not `3.0` or `"3"`),
+    leave the rest."""
 
     name, domain, tiny = "set-const", "code", True
     tools = ("read", "replace")
@@ -55,7 +56,9 @@ class SetConst(Family):
             "            got[node.targets[0].id] = node.value.value\n"
             "        else:\n"
             "            other += 1\n"
-            "    emit({'pass': got == want and other == 0, 'detail': f'got {got}, other statements {other}'})\n"
+            "    # type-exact: 3.0 == 3 and True == 1 in Python, but a float or a bool is not the integer asked for\n"
+            "    same = set(got) == set(want) and all(type(got[k]) is type(want[k]) and got[k] == want[k] for k in want)\n"
+            "    emit({'pass': same and other == 0, 'detail': f'got {got!r}, other statements {other}'})\n"
         )
         return Verifier(checks=[Check(kind="python", name="constants", code=code)])
 

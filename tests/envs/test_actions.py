@@ -72,3 +72,16 @@ def test_parser_never_raises_on_noise():
     for _ in range(3000):
         body = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
         parse_action("<tool_call>" + body + rng.choice(["", "</tool_call>"]))
+
+
+def test_every_rendered_action_parses_back_to_itself_multi_line_arguments_included():
+    """A `replace` whose old or new text spans lines cannot be said in the compact form (its arguments sit on the
+    first line): it renders as JSON, so oracles and the gate's corrupted calls apply as written."""
+    from envs.actions import Action
+
+    for act in [Action("replace", {"path": "a.py", "old": "x = 1\ny = 2", "new": "x = 3\ny = 4"}),
+                Action("replace", {"path": "a b.py", "old": "p", "new": "q"}),
+                Action("write", {"path": "m.py", "content": "a\nb\n"}), Action("python", {"code": "print(1)\n"}),
+                Action("submit", {"answer": "42"}), Action("pytest", {"argv": ["-k", "a b"]})]:
+        got = parse_action(act.render())
+        assert (got.tool, got.args) == (act.tool, act.args), act

@@ -145,3 +145,22 @@ def test_cli_generates_specs_through_the_llm(fake_llm, tmp_path):
     assert main(["envs", "generate", "--llm-url", "http://127.0.0.1:9", "--pattern", "x", "--n", "1",
                  "--out", str(tmp_path / "none")]) == 1
     assert not (tmp_path / "none").exists()
+
+
+def test_an_unsafe_generated_spec_is_rejected_with_the_reason(fake_llm, tmp_path):
+    """A task whose files escape the workspace, or whose verifier runs workspace code in its own process, is a
+    rejected spec (SpecRejected, a ValueError with the reason), never a crash and never written anywhere."""
+    from envs.generator import SpecRejected
+
+    gen = LLMGenerator(fake_llm, model="stub")
+    _FakeLLM.verifier = {"checks": [{"kind": "answer", "name": "product", "expected": "391", "normalize": "number"}]}
+    for path in ("../../etc/cron.d/x", "/root/.bashrc", "a/../../b"):
+        _FakeLLM.task = {**TASK, "files": {"notes.txt": "hi", path: "pwned"}}
+        with pytest.raises(SpecRejected, match=r"generated task rejected: files\..*task file '" + path.replace(".", r"\.")):
+            gen.generate("multiplication", seed=1)
+    _FakeLLM.task = {**TASK, "files": {"solution.py": "def mul(a, b):\n    return a + b\n"}}
+    _FakeLLM.verifier = {"checks": [{"kind": "python", "name": "runs it", "code": "import sys\nsys.path.insert(0, '.')\n"
+                                     "import solution\nemit({'pass': solution.mul(17, 23) == 391})"}]}
+    with pytest.raises(SpecRejected, match=r"does not fit GeneratedVerifier: .*import sys.*'calls' check") as e:
+        gen.generate("multiplication", seed=1)
+    assert isinstance(e.value, ValueError) and e.value.reason == str(e.value)
