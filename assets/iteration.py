@@ -405,6 +405,7 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
 def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     import stages
+    from stages.decision import warm_rewards_from_gate
 
     it = context.partition_key
     d = temper.dir(it)
@@ -416,6 +417,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                envs=_upstream(context, "verified_envs"),
                                experts={k: v["checkpoint"] for k, v in experts.items() if v.get("steps", 0) > 0},
                                taught=stages.taught_domains(_upstream(context, "opd_student")),
+                               warm_val=warm_rewards_from_gate(_upstream(context, "opd_student"), ws),
                                urls=urls, router_url=router_url, store_path=str(temper.store_path()),
                                out=str(d / "eval"), iteration=int(it))
     st = out["stats"]
@@ -434,8 +436,11 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
            params={"preset": temper.preset_name, "overrides": ",".join(temper.all_overrides()), "student": out["student"]})
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
-    reg = tr.register_student("temper-student", run, out["student"], out["pass@1_after"],
-                              significant=out["significant"], p_value=out["p_value"])
+    # the decision reads the validation set, never the held-out one (stages/decision.py)
+    dec = out["decision"]
+    reg = tr.register_student("temper-student", run, out["student"],
+                              dec["pass@1_after"] if dec["set"] else out["pass@1_after"],
+                              significant=dec["significant"], p_value=dec["p_value"])
     tr.finish(run)
     out.update(registered=reg)
     _save(d, "evaluation", out)

@@ -74,13 +74,13 @@ def main() -> None:
     if a.k < 1:
         raise SystemExit(f"--k must be at least 1, got {a.k}")
 
-    from envs.generator import generate
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint
+    from stages.env_sets import held_out
     from trainers.sft import evaluate, pattern_key
 
     cfg = load(a.preset, a.override)
-    specs = generate(cfg.envs.held_out_patterns, a.n or cfg.envs.n_eval, cfg.envs.eval_seed)
+    specs = held_out(cfg.envs.model_copy(update={"n_eval": a.n or cfg.envs.n_eval}), cfg.base)[0]  # the pipeline's
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     rows = []
     for ck in a.checkpoints:

@@ -38,8 +38,8 @@ import torch
 
 import configs
 from envs import make_sandbox
-from envs.generator import generate
 from model import ByteTokenizer, Transformer, load_checkpoint
+from stages.env_sets import train_and_held_out
 from trainers.loop import RLLoop
 from trainers.sft import evaluate
 
@@ -174,8 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = configs.load(args.preset, args.override)
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
-    specs = generate(cfg.envs.rl_source_patterns, *cfg.envs.rl_source)  # the RL set: environments SFT never saw
-    held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
+    specs, held = train_and_held_out(cfg, rl=True)  # the RL set (environments SFT never saw) and the held-out set
     if args.eval:
         torch.manual_seed(cfg.seed)
         base = _eval(cfg, _actor(cfg, args.init), held, tok, sb)["pass@1"]

@@ -22,15 +22,13 @@ def _setup(args, rl: bool = False):
     training environments are the preset's RL set (`envs.n_rl` at `envs.rl_seed`) when it has one."""
     import configs
     from envs import make_sandbox
-    from envs.generator import generate
     from model import ByteTokenizer
+    from stages.env_sets import train_and_held_out
 
     cfg = configs.load(args.preset, args.override)
     tok = ByteTokenizer()
     sandbox = make_sandbox(cfg.envs.sandbox)
-    train = (generate(cfg.envs.rl_source_patterns, *cfg.envs.rl_source) if rl
-             else generate(cfg.envs.patterns, cfg.envs.n_train, cfg.envs.seed))
-    held = generate(cfg.envs.held_out_patterns, cfg.envs.n_eval, cfg.envs.eval_seed)
+    train, held = train_and_held_out(cfg, rl)  # the pipeline's sets: hashed seeds, held out by content
     return cfg, tok, sandbox, train, held
 
 

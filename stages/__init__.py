@@ -87,32 +87,35 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
     the RL set and, without a base checkpoint, the SFT set — fresh instances every iteration (seeds offset by
     the iteration), so RL never revisits environments an earlier iteration trained on."""
     from envs.dataset import write_dataset
-    from envs.generator import generate
+
+    from .env_sets import build_sets
 
     off = ITERATION_SEED_STRIDE * (iteration - 1)
     e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + off, "rl_seed": cfg.envs.rl_seed + off,
                                     "val_seed": cfg.envs.val_seed + off})
-    held_specs = generate(e.held_out_patterns, e.n_eval, e.eval_seed)
-    held = write_dataset(held_specs, out / "eval", {"seed": e.eval_seed})
+    sets = build_sets(e, cfg.base)  # hashed seeds per purpose; held-out disjoint from the base recipe and every set
+    skipped = sets["skipped"]
+    held = write_dataset(sets["eval"], out / "eval", {"seed": e.eval_seed, "purpose": "held-out",
+                                                      "skipped_base_or_repeated": skipped["eval"]})
     res = {"train": None, "eval": str(out / "eval"), "n_train": 0, "n_eval": held["n"], "n_rl": 0,
-           "families": {}, "eval_families": held["families"], "eval_sha256": held["sha256"]}
-    if e.n_val:  # model selection's own tasks: the same patterns as the held-out set, none of its tasks
-        seen = {_task_content(s) for s in held_specs}
-        val_specs = [s for s in generate(e.held_out_patterns, e.n_val, e.val_seed) if _task_content(s) not in seen]
-        val = write_dataset(val_specs, out / "val", {"seed": e.val_seed, "held_out_removed": e.n_val - len(val_specs)})
+           "families": {}, "eval_families": held["families"], "eval_sha256": held["sha256"], "skipped": skipped}
+    if sets["val"] is not None:  # model selection's own tasks: the same patterns as the held-out set, none of its tasks
+        val = write_dataset(sets["val"], out / "val", {"seed": e.val_seed, "purpose": "validation",
+                                                       "held_out_removed": skipped["val"]})
         res.update(val=str(out / "val"), n_val=val["n"], val_sha256=val["sha256"])
-    if e.n_train or not e.n_rl:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
-        train = write_dataset(generate(e.patterns, e.n_train, e.seed), out / "train", {"seed": e.seed})
+    if sets["train"] is not None:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
+        train = write_dataset(sets["train"], out / "train", {"seed": e.seed, "purpose": "sft"})
         res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])
-    if e.n_rl:
-        rl = write_dataset(generate(e.rl_source_patterns, e.n_rl, e.rl_seed), out / "rl", {"seed": e.rl_seed})
+    if sets["rl"] is not None:
+        rl = write_dataset(sets["rl"], out / "rl", {"seed": e.rl_seed, "purpose": "rl"})
         res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
     return res
 
 
 def _task_content(spec) -> str:
-    """What makes two tasks the same task, whatever their ids and seeds: the instruction and the files."""
-    return json.dumps([spec.family, spec.instruction, sorted(spec.files.items())])
+    from envs.generator import task_content
+
+    return task_content(spec)
 
 
 def rl_set(envs: dict) -> str:
@@ -711,7 +714,8 @@ def teacher_gate(cfg, warm: str, experts: dict[str, str], envs: dict, cache: Pat
         lost = sum(1 for a, b in zip(was, got) if b < a)
         n = max(1, len(mine))
         gate[dom] = {"n": len(mine), "warm_start": sum(was) / n, "expert": sum(got) / n, "gained": gained,
-                     "lost": lost, "teaches": gained > lost,
+                     "lost": lost, "teaches": gained > lost, "warm_ckpt": str(Path(warm).resolve()),
+                     "warm_rewards": {s.id: t.reward for s, t in zip(mine, was_t)},  # (evaluation's decision reuses)
                      "crashes": {"warm_start": CrashTally(was_t).report(), "expert": CrashTally(got_t).report()}}
         log(f"OPD gate: {dom} expert {gate[dom]['expert']:.2f} vs warm start {gate[dom]['warm_start']:.2f} on "
             f"{len(mine)} validation tasks ({gained} gained / {lost} lost): "
@@ -907,14 +911,20 @@ def teacher_cell(evaluation: dict, domain: str, anchored, digits: int = 2) -> st
 
 def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet,
                urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
-               out: Path | None = None, iteration: int = 0, taught: list[str] | None = None) -> dict:
+               out: Path | None = None, iteration: int = 0, taught: list[str] | None = None,
+               warm_val: dict[str, float] | None = None) -> dict:
     """Held-out greedy pass@1 of the student and of the warm start on the same tasks, per domain and overall,
     with 95% Wilson intervals and an exact McNemar test of the paired outcomes (tasks that flipped each way);
     and each domain expert on its own domain (the teacher the student is measured against). `taught`: the
     domains whose expert taught the student (OPD's gate); the others' experts are still scored, and marked
     `teaching: false` so no report reads them as the student's teacher. Episodes run on
     the servers at `urls` when given (each policy loaded in turn), else in-process; every trajectory goes to the
-    store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`."""
+    store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`.
+
+    The decision (`decision`: whether the student is a significant gain, which moves the `champion` and so the
+    hand-off) reads the validation set, never the held-out one: the student and the warm start on `envs["val"]`,
+    paired (the warm start's greedy outcomes reused from OPD's teacher gate where it ran the same checkpoint on the
+    same tasks: `warm_val`, spec id -> reward). Without a validation set there is no decision: the champion stays."""
     import itertools
     import tempfile
     from collections import defaultdict
@@ -965,11 +975,18 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
         before = run(baseline, held, "warm_start")
         log(f"warm start pass@1 {before['pass@1']:.3f} {before['domain']}")
 
-    def by_domain(ev):
+    def by_domain(ev, specs=held):
         d = defaultdict(list)
-        for s, t in zip(held, ev["trajectories"]):
+        for s, t in zip(specs, ev["trajectories"]):
             d[s.domain].append(t.reward)
         return dict(d)
+
+    decision = {"set": None, "significant": False, "p_value": None,
+                "reason": "no validation set (envs.n_val = 0): no decision, the champion stays"}
+    if envs.get("val"):
+        from .decision import validation_decision
+
+        decision = validation_decision(read_dataset(envs["val"]), student, baseline, warm_val or {}, run, log)
 
     stats = compare(by_domain(before), by_domain(after))
     teachers, teacher_pattern, teacher_stats = {}, {}, {}
@@ -991,7 +1008,7 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             "domain_teacher": teachers, "teacher_stats": teacher_stats, "n_eval": len(held), "student": student,
             "teaching": {d: taught is None or d in taught for d in teachers},
             "stats": stats, "gained": overall["gained"], "lost": overall["lost"], "p_value": overall["p_value"],
-            "significant": significant_gain(overall), "stored_trajectories": rec.written,
+            "significant": significant_gain(overall), "decision": decision, "stored_trajectories": rec.written,
             "crashes": (lost := crashes.report()), "crashed_share": lost["share"],
             "domains_fell_significantly": [d for d, v in stats.items() if d != "all" and v["test"]["lost"] > v["test"]["gained"]
                                            and v["test"]["p_value"] < 0.05]}

@@ -108,13 +108,13 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     runs = client.search_runs([exp.experiment_id], "tags.temper_kind = 'iteration'")
     assert len(runs) == 2 and all("pass_at_1_after" in r.data.metrics for r in runs)
     assert all(r.info.status == "FINISHED" for r in runs)
-    sig = [json.loads((tmp_path / "runs" / f"iteration-000{i}" / "evaluation.json").read_text())["significant"]
+    sig = [json.loads((tmp_path / "runs" / f"iteration-000{i}" / "evaluation.json").read_text())["decision"]["significant"]
            for i in (1, 2)]
     try:
         champ = client.get_model_version_by_alias("temper-student", "champion")
     except Exception:  # noqa: BLE001 - mlflow's not-found error
         champ = None
-    assert (champ is not None) == any(sig)  # the alias moves only on a significant improvement
+    assert (champ is not None) == any(sig)  # the alias moves only on a significant improvement on validation
     versions = client.search_model_versions("name = 'temper-student'")
     assert len(versions) == 2  # every student is registered, from a LoggedModel holding a copy of its weights
     for v in versions:

@@ -211,11 +211,8 @@ def test_the_validation_set_is_fresh_every_iteration_and_never_a_held_out_task(t
     assert v1 and v2 and not v1 & held and not v2 & held
     assert v1 != v2 and read_dataset(one["eval"])[0].id == read_dataset(two["eval"])[0].id  # val moves, eval does not
     assert {s.family for s in read_dataset(one["val"])} == {s.family for s in read_dataset(one["eval"])}
-    # the same draw minus the held-out tasks it repeats (small task spaces repeat across seeds)
-    from envs.generator import generate
-
-    raw = generate(cfg.envs.held_out_patterns, 60, cfg.envs.val_seed)
-    assert one["n_val"] == sum(1 for s in raw if stages._task_content(s) not in held)
+    # the size asked: a draw the held-out set holds is replaced by the pattern's next one (stages/env_sets.py)
+    assert one["n_val"] == len(v1) == 60 and one["n_eval"] == len(held) == 60
     assert stages.verified_envs(cfg, one, tmp_path / "v")["val"] == one["val"]  # passed on, like the held-out set
 
 
@@ -303,9 +300,12 @@ def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start
 
     monkeypatch.setattr(trainers.sft, "evaluate", counted)
     # the warm start spelled differently (a trailing slash): the same checkpoint on disk
-    ev = stages.evaluation(cfg, base, base + "/", {"eval": str(tmp_path / "eval")},
+    write_dataset(generate(["set-const?horizon=1", "calc-chain?horizon=1"], 4, 11, "validation"), tmp_path / "val")
+    ev = stages.evaluation(cfg, base, base + "/", {"eval": str(tmp_path / "eval"), "val": str(tmp_path / "val")},
                            store_path=tmp_path / "t.duckdb", iteration=2)
-    assert calls == [6] and ev["pass@1_before"] == ev["pass@1_after"] > 0
+    # the held-out tasks once, and the decision's validation tasks once (the student is its warm start)
+    assert calls == [6, 4] and ev["pass@1_before"] == ev["pass@1_after"] > 0
+    assert ev["decision"]["set"] == "validation" and ev["decision"]["n"] == 4 and not ev["decision"]["significant"]
     assert ev["gained"] == ev["lost"] == 0 and ev["p_value"] == 1.0
     from store import TrajectoryStore
 
@@ -318,6 +318,7 @@ def test_the_champion_rule_and_an_evaluation_of_a_student_that_is_its_warm_start
     ev = stages.evaluation(cfg, base, base + "/", {"eval": str(tmp_path / "eval")}, {"code": base, "math": base},
                            store_path=tmp_path / "t.duckdb", iteration=3, taught=["code"])
     assert calls == [6, 3, 3] and ev["teaching"] == {"code": True, "math": False}
+    assert ev["decision"]["set"] is None and not ev["decision"]["significant"]  # no validation set: no decision
     assert set(ev["domain_teacher"]) == {"code", "math"}
 
 
