@@ -49,9 +49,25 @@ def loads(text: str, max_chars: int, max_depth: int = MAX_DEPTH):
     if d > max_depth:
         raise BoundsError(f"nested {d} deep, more than {max_depth}")
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError cannot happen below max_depth; kept as a backstop
         raise BoundsError(f"not valid JSON ({str(e)[:80]})") from None
+    _no_surrogates(value)
+    return value
+
+
+def _no_surrogates(value) -> None:
+    """BoundsError if a string in `value` (keys included) holds a lone surrogate (JSON's \\udXXX escapes decode to
+    them): such a string cannot be encoded, stored or logged downstream. Walked with a stack."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            check_text(v.replace("\x00", ""), "a string")
+        elif isinstance(v, dict):
+            todo += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            todo += v
 
 
 def check_text(s: str, what: str) -> str:

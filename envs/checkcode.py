@@ -25,7 +25,7 @@ DATA_MODULES = frozenset({
     "ast", "base64", "binascii", "bisect", "calendar", "collections", "configparser", "copy", "csv", "dataclasses",
     "datetime", "decimal", "difflib", "enum", "fnmatch", "fractions", "functools", "glob", "gzip", "hashlib",
     "heapq", "html", "io", "ipaddress", "itertools", "json", "keyword", "math", "numbers", "operator", "os",
-    "pathlib", "random", "re", "shlex", "statistics", "string", "struct", "textwrap", "time", "tokenize", "tomllib",
+    "pathlib", "random", "re", "shlex", "statistics", "struct", "textwrap", "time", "tokenize", "tomllib",
     "typing", "unicodedata", "uuid", "zlib",
 })
 # builtins that run code, import it, or reach objects by a computed name
@@ -36,7 +36,8 @@ BANNED_NAMES = frozenset({
 # attributes that start processes, import or run code, or walk the stack (os.system, os.execv, runpy.run_path, …)
 BANNED_ATTRS = frozenset({
     "system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "startfile", "import_module",
-    "load_module", "exec_module", "run_path", "run_module", "attrgetter", "methodcaller", "f_back", "f_locals",
+    "load_module", "exec_module", "run_path", "run_module", "attrgetter", "methodcaller", "get_field", "get_value",
+    "vformat", "f_back", "f_locals",
     "f_globals", "f_code", "gi_frame", "cr_frame", "ag_frame", "tb_frame", "load_extension",
 })
 BANNED_ATTR_PREFIXES = ("exec", "spawn")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import subprocess
@@ -113,6 +114,13 @@ def _pinned_sha(root: Path, rel: str) -> str | None:
         return h.hexdigest()
 
 
+def printable(s: str) -> str:
+    """`s` with what cannot be encoded, stored or shown (lone surrogates from undecodable file names, NUL bytes,
+    control characters) escaped: a verdict's detail quotes what the agent made."""
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in s)
+
+
 def remove_tree(path: Path) -> None:
     """Remove a tree an agent may have made (any depth, links not followed) without walking it in this process:
     coreutils `rm` walks it iteratively; a deep tree once made `shutil.rmtree` raise RecursionError."""
@@ -152,7 +160,9 @@ class Environment:
                  workdir: str | Path | None = None):
         self.spec, self.sandbox = spec, sandbox
         self.limits = limits or sandbox.limits
-        self._tmp = Path(tempfile.mkdtemp(prefix=f"temper-{spec.family}-", dir=workdir))
+        # (the family names the directory: only characters every backend takes in a path, Docker's binds included)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"temper-{re.sub(r'[^A-Za-z0-9._-]', '-', spec.family)}-",
+                                          dir=workdir))
         self._tmp.chmod(0o711)  # the sandbox runs as an unprivileged user: it may pass through, not list
         self.workspace = self._tmp / "work"
         self._quota = False  # whether the workspace is a size-limited mount (Sandbox.mount_quota)
@@ -267,12 +277,14 @@ class Environment:
 
     def _check(self, c: Check) -> CheckResult:
         try:
-            return self._run_check(c)
+            r = self._run_check(c)
         except _Infrastructure as e:
-            return CheckResult(c.name, False, str(e)[:500], crashed=True)
+            r = CheckResult(c.name, False, str(e)[:500], crashed=True)
         except Exception as e:  # noqa: BLE001 - past the sandbox's start, what goes wrong is the agent's doing
-            return CheckResult(c.name, False, f"the agent's work could not be checked: {type(e).__name__}: "
-                                              f"{str(e)[:300]}")
+            r = CheckResult(c.name, False, f"the agent's work could not be checked: {type(e).__name__}: "
+                                           f"{str(e)[:300]}")
+        r.detail = printable(r.detail)  # it quotes what the agent made: stored, logged and shown downstream
+        return r
 
     def _run_check(self, c: Check) -> CheckResult:
         if c.kind == "answer":

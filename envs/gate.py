@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .actions import STATE_CHANGING, Action, parse_action
-from .environment import run_script
+from .environment import WorkspaceError, run_script
 from .families import FAMILIES
 from .families.base import corrupt_action, wrong_action
 from .sandbox import Limits, Sandbox
@@ -336,6 +336,14 @@ def validate(spec: TaskSpec, sandbox: Sandbox, probes: bool = True, limits: Limi
         spec.check_hashes()
     except ValueError as e:
         return GateReport(spec.id, spec.family, False, [str(e)], seconds=time.perf_counter() - t0)
+    try:
+        return _validate(spec, sandbox, probes, limits, rep, t0)
+    except WorkspaceError as e:  # the spec's files could not be set up: the spec's fault, a rejection
+        return GateReport(spec.id, spec.family, False, [f"spec: {e}"], seconds=time.perf_counter() - t0)
+
+
+def _validate(spec: TaskSpec, sandbox: Sandbox, probes: bool, limits: Limits | None, rep: GateReport,
+              t0: float) -> GateReport:
 
     def leg(name: str, calls: list[str], want: float, lim: Limits | None = None) -> None:
         r, log, _ = run_script(spec, sandbox, calls, lim or limits)

@@ -62,6 +62,7 @@ class Limits:
     workspace_bytes: int = 64 << 20  # an environment's workspace, all files together (a sized tmpfs, as root)
 
 
+QUOTA_INODES = 16_384  # files and directories in a workspace (and in the verifier's copy of it)
 SANDBOX_UID = 65534  # the unprivileged host user (nobody) that bwrap runs as when temper runs as root
 # /etc entries the interpreter and the tools need (all of /etc once exposed /etc/shadow)
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf", "mime.types")
@@ -302,13 +303,17 @@ class Sandbox(ABC):
         out: list[bytes] = []
         err: list[bytes] = []
         flags: dict = {}
+        cmd, fds = self.hide_options(cmd)
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=pre, env=run_env, cwd=self.host_cwd(workspace))
+                                    preexec_fn=pre, env=run_env, cwd=self.host_cwd(workspace), pass_fds=fds)
         except OSError as e:
             if cg is not None:
                 cg.close()
             return RunResult(127, "", f"sandbox failed to start: {e}", seconds=time.perf_counter() - t0)
+        finally:
+            for fd in fds:
+                os.close(fd)
         threads = [threading.Thread(target=_drain, args=(proc.stdout, lim.output_bytes, out, flags), daemon=True),
                    threading.Thread(target=_drain, args=(proc.stderr, lim.output_bytes, err, flags), daemon=True)]
         for t in threads:
@@ -343,6 +348,10 @@ class Sandbox(ABC):
 
     def uses_cgroup(self) -> bool:
         return False
+
+    def hide_options(self, cmd: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """The command line to exec, and the descriptors it needs: as it is here (see BwrapSandbox)."""
+        return cmd, ()
 
     def run_as(self) -> int | None:
         """The host uid the sandbox process runs as (None: temper's own)."""
@@ -422,6 +431,19 @@ class BwrapSandbox(_MountedLayout, Sandbox):
     def uses_cgroup(self) -> bool:
         return self._root  # RLIMIT_NPROC is per host uid (shared by every run): use the pids controller
 
+    def hide_options(self, cmd: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """bwrap's options (host paths: the workspace, the staged tools) read from a pipe (`--args FD`) instead of
+        its command line, which the sandboxed processes can read in /proc/1/cmdline. What follows `--` is the
+        command inside, which names only sandbox paths. The options are a few hundred bytes: written before the
+        exec, they fit the pipe's buffer."""
+        cut = cmd.index("--")
+        r, w = os.pipe()
+        try:
+            os.write(w, b"".join(a.encode() + b"\0" for a in cmd[1:cut]))
+        finally:
+            os.close(w)
+        return [cmd[0], "--args", str(r), *cmd[cut:]], (r,)
+
     def run_as(self) -> int | None:
         return self.uid
 
@@ -430,7 +452,9 @@ class BwrapSandbox(_MountedLayout, Sandbox):
         has only the per-file RLIMIT_FSIZE, and `info()["workspace_quota"]` says so."""
         if not self._root or self._no_mount:
             return False
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)},mode=0777,nosuid,nodev", "tmpfs",
+        # inodes capped too: extended attributes and empty files take kernel memory outside `size`
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)},nr_inodes={QUOTA_INODES},mode=0777,"
+                            "nosuid,nodev", "tmpfs",
                             str(path)], capture_output=True, check=False)
         if r.returncode != 0:
             self._no_mount = True

@@ -162,7 +162,7 @@ class DockerSandbox(_MountedLayout, Sandbox):
             vols[str(feed / "stdin")] = {"bind": SANDBOX_STDIN, "mode": "ro"}
             writer = threading.Thread(target=_feed, daemon=True, args=(
                 feed / "stdin", stdin.encode() if isinstance(stdin, str) else stdin, lim.wall_seconds + 30))
-        argv = [self._python, "-c", _SHIM, str(int(lim.memory_bytes)), SANDBOX_STDIN if feed else "", *argv]
+        argv = [self._python, "-I", "-S", "-c", _SHIM, str(int(lim.memory_bytes)), SANDBOX_STDIN if feed else "", *argv]
         t0 = time.perf_counter()
         try:
             c = self.client.containers.create(

@@ -97,6 +97,19 @@ def check_files(files: dict[str, Any], what: str = "task file") -> dict[str, Any
     return files
 
 
+MAX_TASK_BYTES = 16 << 20  # a task's files together, well inside a workspace's quota (Limits.workspace_bytes)
+
+
+def check_task_files(files: dict[str, Any]) -> dict[str, Any]:
+    """A task's files: safe paths (`check_files`) whose contents together fit MAX_TASK_BYTES (a larger set would fail
+    the workspace's set-up, not the agent)."""
+    check_files(files)
+    total = sum(len(v.encode("utf-8", "surrogatepass")) for v in files.values() if isinstance(v, str))
+    if total > MAX_TASK_BYTES:
+        raise ValueError(f"task files hold {total} bytes, more than {MAX_TASK_BYTES}")
+    return files
+
+
 def _name(v: str) -> str:
     if not _NAME.fullmatch(v):
         raise ValueError(f"{v[:80]!r}: ids and family names are 1-128 characters of A-Z a-z 0-9 . _ : + - "
@@ -142,6 +155,9 @@ class Check(BaseModel):
             if not self.calls or len(self.calls) != len(self.returns):
                 raise ValueError(f"check {self.name!r}: 'calls' needs one expected value in 'returns' per call "
                                  f"(got {len(self.calls)} calls, {len(self.returns)} returns)")
+            if all(r is None for r in self.returns):  # a function that does nothing (a stub, a test) would pass
+                raise ValueError(f"check {self.name!r}: every expected return value is None: a check must tell a "
+                                 "working function from one that does nothing")
             for c in self.calls:
                 if set(c) != {"module", "fn", "args"} or not isinstance(c["args"], list):
                     raise ValueError(f"check {self.name!r}: a call is {{module, fn, args: list}}, got {c}")
@@ -170,7 +186,7 @@ class PublicTask(BaseModel):
     family: Annotated[str, AfterValidator(_name)]
     domain: Domain
     instruction: str
-    files: Annotated[dict[WorkspacePath, str], AfterValidator(check_files)]
+    files: Annotated[dict[WorkspacePath, str], AfterValidator(check_task_files)]
     tools: list[str]
     max_turns: int = Field(gt=0)
 

@@ -86,7 +86,7 @@ def copy_file(src, dst, size):
         os.close(fo)
 
 
-def copy_tree(src, dst, max_entries=100_000):
+def copy_tree(src, dst, max_entries=16_384):
     """The agent's workspace `src` into the empty directory `dst`, walked with a stack (see the module docstring)."""
     todo, n = [""], 0
     while todo:
@@ -109,7 +109,7 @@ def copy_tree(src, dst, max_entries=100_000):
                 copy_file(e.path, to, st.st_size)
             else:
                 kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
-                raise Refused(f"{r} is a {kind}")
+                raise Refused(f"{os.fsencode(r).decode('utf-8', 'backslashreplace')} is a {kind}")
 
 
 def run_calls(req):
