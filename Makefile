@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-threads lint bench clean gpu-wheels sandbox-deps docker-deps browser-deps ui
+.PHONY: run test test-threads lint bench clean gpu-wheels sandbox-deps docker-deps browser-deps ui docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,9 +43,11 @@ browser-deps:
 	    echo "installing chromium"; apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is required for the browser test: sudo apt-get install chromium" >&2; exit 1; fi; }
 
-# One post-training iteration on tiny as a Dagster run (the next iteration each time), then a summary.
+# One post-training iteration on tiny as a Dagster run (the next iteration each time), then a summary whose links point
+# where `make ui` serves (its DAGSTER_PORT and MLFLOW_PORT, below) and whose hint is the exact command to go on.
 run: $(STAMP) sandbox-deps
-	$(BIN)/temper run --preset tiny
+	TEMPER_DAGSTER_UI=http://127.0.0.1:$(DAGSTER_PORT) TEMPER_MLFLOW_UI=http://127.0.0.1:$(MLFLOW_PORT) \
+	  $(BIN)/temper run --preset tiny
 
 # Two xdist workers, a file each at a time (module fixtures stay in one process), in collection order: tests/conftest.py
 # puts the files with `slow` tests first. Each worker's torch takes one thread.
@@ -71,6 +73,13 @@ MLFLOW_PORT ?= 5000
 ui: $(STAMP) sandbox-deps
 	$(BIN)/python -m pipelines.ui --dagster-port $(DAGSTER_PORT) --mlflow-port $(MLFLOW_PORT)
 
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or anchor, a page missing from the nav
+# or a docstring the API reference cannot render fails it. docs-serve serves it with live reload on 127.0.0.1:8000.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -82,7 +91,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/server_load.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
 
 # The cp312 wheels the H200 machine lacks (pydantic and its dependencies, megatron-core), for bench/gpu_run.sh to carry there.
 gpu-wheels:

@@ -132,10 +132,11 @@ class LoopConfig(BaseModel):
     # amortises the weights, and the agents' sandbox calls overlap it). The RL loop keeps `in_flight`
     batch_in_flight: int = Field(default=8, gt=0)
     save_every: int = Field(default=5, gt=0)  # training-state checkpoint interval of the pipeline's RL stages
-    # the most of a family's episodes a stage may lose to infrastructure (status crashed or aborted, which every
-    # trainer drops) before it fails, naming the family and the causes, instead of training on (or scoring) what is
-    # left (rollout/crashes.py). Every stage that runs episodes checks it: the gate, the warm start's rollouts, SAO,
-    # OPD's teacher gate and student, evaluation. 0: any crash fails; 1: never
+    # the most of a family's episodes a stage may lose to a crashed environment (status crashed: the sandbox could
+    # not run; every trainer drops them) before it fails, naming the family and the causes, instead of training on
+    # (or scoring) what is left (rollout/crashes.py; aborted episodes, the engine's, are reported beside it, not held
+    # to it). Every stage that runs episodes checks it: the gate, the warm start's rollouts, SAO, OPD's teacher gate
+    # and student, evaluation. 0: any crash fails; 1: never
     max_crashed_share: float = Field(default=0.05, ge=0, le=1)
     # what SAO does with the iteration's stored rollouts of the warm start (`rollout_batches`, one per RL env):
     # "critic": the value pre-training cycles through them a batch at a time (instead of fitting one fresh batch);
