@@ -77,6 +77,10 @@ class WorkspaceError(Exception):
     """The workspace could not be set up from the spec (a path the set-up refused)."""
 
 
+class SandboxFault(RuntimeError):
+    """The sandbox raised instead of running a tool call (it could not start): an infrastructure fault."""
+
+
 class _Infrastructure(Exception):
     """A fault of the verifier's own machinery, before any agent code ran: retried, then "crashed"."""
 
@@ -192,9 +196,14 @@ class Environment:
         return self.spec.instruction
 
     def step(self, text: str) -> StepResult:
+        """One tool call. Whatever goes wrong handling the agent's text is its error (an observation); a sandbox that
+        raises instead of running the tool is the infrastructure's (`SandboxFault`, the episode `crashed`): a result
+        the sandbox returns, whatever its exit code or text, is the agent's doing (it could print anything)."""
         t0 = time.perf_counter()
         try:
             return self._step(text)
+        except SandboxFault:
+            raise
         except Exception as e:  # noqa: BLE001 - the agent's text is handled here: what goes wrong is its failure
             self._out_of_turns()
             why = f"the tool call could not be run ({type(e).__name__}: {str(e)[:200]})"
@@ -229,8 +238,7 @@ class Environment:
         sb = self.sandbox
         if act.tool in ("ls", "read", "write", "replace", "calc"):
             req = json.dumps({"tool": act.tool, "args": act.args})
-            res = sb.run([sb.python(), "-I", "-S", f"{sb.tools_dir()}/runner.py"], self.workspace, stdin=req,
-                         limits=self.limits)
+            res = self._sandboxed([sb.python(), "-I", "-S", f"{sb.tools_dir()}/runner.py"], stdin=req)
             if res.timed_out:
                 return f"error: {act.tool} timed out", False
             if res.returncode not in (0, 2):
@@ -243,7 +251,13 @@ class Environment:
             boot = (f"import sys; sys.path.append({sb.site_dir()!r}); sys.path.insert(0, {sb.workdir(self.workspace)!r});"
                     " import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[1:]]))")
             argv = [sb.python(), "-I", "-c", boot, *act.args.get("argv", [])]
-        return self._format(sb.run(argv, self.workspace, limits=self.limits))
+        return self._format(self._sandboxed(argv))
+
+    def _sandboxed(self, argv: list[str], stdin: str | None = None) -> RunResult:
+        try:
+            return self.sandbox.run(argv, self.workspace, stdin=stdin, limits=self.limits)
+        except Exception as e:  # noqa: BLE001 - the sandbox failed to run anything: not the agent's doing
+            raise SandboxFault(f"the {self.sandbox.name} sandbox could not run a tool: {type(e).__name__}: {e}") from e
 
     @staticmethod
     def _format(res: RunResult) -> tuple[str, bool]:

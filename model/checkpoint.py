@@ -4,7 +4,9 @@ Names follow transformers / SGLang for `glm_moe_dsa` and `deepseek_v32`: prefix 
 experts one by one (`mlp.experts.E.{gate,up,down}_proj.weight`), the MTP layers as
 `model.layers.{num_hidden_layers + j}` with `enorm`, `hnorm`, `eh_proj`, a full block and
 `shared_head.norm`. FP8 block-scaled weights (`weight_scale_inv`) are dequantised on load.
-`temper.json` beside them carries the policy version and a content checksum.
+`temper.json` beside them carries the policy version, a content checksum and each weight file's sha256;
+`load_checkpoint` verifies them (hashing each file once, streaming, files in parallel) and refuses a corrupt file
+with `ChecksumError` naming it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +70,22 @@ def to_hf_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def _check_mtp_copy(cfg: ModelConfig, tensors: dict[str, torch.Tensor], j: int, rest: str, t: torch.Tensor) -> None:
+    """An MTP layer's own `embed_tokens` / `shared_head.head` (DeepSeek-V3 and GLM-5 save copies; Megatron trains one
+    shared tensor): temper's MTP layers use the main embedding and head, so a copy loads only if it is the main tensor
+    bit for bit; one that differs is refused with the reason, never dropped."""
+    main = "model.embed_tokens.weight" if rest == "embed_tokens.weight" or cfg.tie_word_embeddings else "lm_head.weight"
+    ref = tensors.get(main, tensors.get(main.removeprefix("model.")))
+    if ref is None:
+        return  # the main tensor is missing: the load reports it
+    if ref.shape != t.shape or not torch.equal(ref, t.to(ref.dtype)):
+        diff = "shape " + str(tuple(t.shape)) if ref.shape != t.shape else \
+            f"max |diff| {(ref.float() - t.float()).abs().max().item():.3g}"
+        raise ValueError(f"model.layers.{cfg.num_hidden_layers + j}.{rest}: MTP layer {j}'s own copy differs from "
+                         f"{main} ({diff}); temper's MTP layers share the main embedding and head, so loading this "
+                         "checkpoint would silently change its MTP drafts: refused")
+
+
 def from_hf_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map HF names to this model's state-dict names, stacking per-expert weights."""
     L = cfg.num_hidden_layers
@@ -82,7 +101,8 @@ def from_hf_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[st
                 n_mtp = cfg.num_nextn_predict_layers
                 raise KeyError(f"checkpoint has MTP layer {j} but num_nextn_predict_layers={n_mtp}")
             if rest in ("embed_tokens.weight", "shared_head.head.weight"):
-                continue  # duplicates of the main embedding / head, shared in this model
+                _check_mtp_copy(cfg, tensors, j, rest, t)
+                continue  # a copy of the main embedding / head, which this model's MTP layers share
             if rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
                 name = f"mtp_layers.{j}.{rest}"
             elif rest == "shared_head.norm.weight":
@@ -155,6 +175,8 @@ def save_checkpoint(
         shards[-1][name] = t
         size += nb
     cfg_dict = model.config.to_hf_dict()
+    for caveat in model.config.transformers_caveats():  # a layout transformers would load wrongly: said at save
+        warnings.warn(f"{path}: {caveat}", stacklevel=2)
     cfg_dict["dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float32"
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -173,7 +195,8 @@ def save_checkpoint(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-        meta = {"policy_version": policy_version, "checksum": _checksum(tmp, files), **(extra_meta or {})}
+        total_sum, per_file = _checksums(tmp, files)
+        meta = {"policy_version": policy_version, "checksum": total_sum, "files": per_file, **(extra_meta or {})}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -206,13 +229,77 @@ def replace_dir(tmp: Path, final: Path) -> None:
         tmp.rename(final)
 
 
-def _checksum(root: Path, files: list[str]) -> str:
-    h = hashlib.sha256()
+CHUNK = 8 << 20  # hashing reads this much at a time: streaming, never a whole shard in memory
+
+
+class ChecksumError(ValueError):
+    """A checkpoint file whose bytes differ from the checksum recorded when it was saved (corrupt, truncated,
+    overwritten): refused, naming the file."""
+
+
+def _checksums(root: Path, files: list[str]) -> tuple[str, dict[str, str]]:
+    """One pass over `files` in order: the checkpoint's checksum (sha256 of their bytes in that order) and each file's."""
+    total = hashlib.sha256()
+    per = {}
     for fn in files:
+        h = hashlib.sha256()
         with open(root / fn, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
+            while chunk := f.read(CHUNK):
                 h.update(chunk)
+                total.update(chunk)
+        per[fn] = "sha256:" + h.hexdigest()
+    return "sha256:" + total.hexdigest(), per
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """"sha256:<hex>" of one file, read in chunks (hashlib releases the GIL on them: files hash in parallel)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def verify_files(root: str | os.PathLike, sums: dict[str, str], what: str = "checkpoint") -> int:
+    """Check every `root/name` against `sums[name]` (files hashed in parallel, each once); ChecksumError naming the
+    first file that differs or is missing. Returns the bytes read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(root)
+    missing = [fn for fn in sums if not (root / fn).is_file()]
+    if missing:
+        raise ChecksumError(f"{root / missing[0]}: missing, but the {what} records its checksum")
+    with ThreadPoolExecutor(max(1, min(len(sums), os.cpu_count() or 1, 8))) as pool:
+        got = dict(zip(sums, pool.map(lambda fn: file_sha256(root / fn), sums)))
+    for fn, want in sums.items():
+        if got[fn] != want:
+            raise ChecksumError(f"{root / fn}: its bytes do not match the checksum the {what} recorded when it was "
+                                f"saved (corrupt or truncated): {got[fn][:23]}… vs {want[:23]}…; refusing to load it")
+    return sum((root / fn).stat().st_size for fn in sums)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check a checkpoint's weight files against the checksums in its `temper.json` (each file's where recorded, else
+    the whole checkpoint's); ChecksumError naming the file that differs. A checkpoint without recorded checksums (one
+    imported from the hub) passes unchecked. Returns {"checked": bool, "files": n, "bytes": n, "seconds": s}."""
+    import time
+
+    t0 = time.perf_counter()
+    path = Path(path)
+    meta = read_checkpoint_meta(path) if (path / META_FILE).exists() else {}
+    if meta.get("files"):
+        n = verify_files(path, meta["files"])
+        return {"checked": True, "files": len(meta["files"]), "bytes": n, "seconds": time.perf_counter() - t0}
+    if not meta.get("checksum"):
+        return {"checked": False, "files": 0, "bytes": 0, "seconds": 0.0}
+    files = _weight_files(path)
+    got, _ = _checksums(path, files)
+    if got != meta["checksum"]:
+        names = ", ".join(str(path / fn) for fn in files)
+        raise ChecksumError(f"{names}: the weights do not match the checksum recorded in {path / META_FILE} (corrupt "
+                            "or truncated); refusing to load them")
+    return {"checked": True, "files": len(files), "bytes": sum((path / fn).stat().st_size for fn in files),
+            "seconds": time.perf_counter() - t0}
 
 
 # ---- load --------------------------------------------------------------------------------------------
@@ -228,15 +315,19 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf_dict(json.loads(p.read_text()))
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _weight_files(path: Path) -> list[str]:
     if (path / INDEX_FILE).exists():
-        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-    elif (path / SINGLE_FILE).exists():
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no safetensors files")
+        return sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+    if (path / SINGLE_FILE).exists():
+        return [SINGLE_FILE]
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no safetensors files")
+    return files
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = _weight_files(path)
     out: dict[str, torch.Tensor] = {}
     for fn in files:
         with safe_open(path / fn, framework="pt") as f:
@@ -246,11 +337,17 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    verify: bool = True,
 ) -> Transformer:
-    """Load an HF-layout `glm_moe_dsa` / `deepseek_v32` directory into a `Transformer`."""
+    """Load an HF-layout `glm_moe_dsa` / `deepseek_v32` directory into a `Transformer`. With `verify` (the default)
+    its weight files are first checked against the checksums its `temper.json` recorded (`verify_checkpoint`): a
+    corrupt file is refused with ChecksumError naming it. `verify=False` only where the caller has just verified
+    the same files."""
     path = Path(path)
     cfg = load_config(path)
+    if verify:
+        verify_checkpoint(path)
     raw = json.loads((path / "config.json").read_text())
     block = tuple((raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     dtype = dtype or (torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)

@@ -198,7 +198,9 @@ class Agent:
             if r.status == "crashed":
                 status, error = "crashed", "verifier crashed"
         except Exception as e:  # noqa: BLE001 - a broken environment or engine marks this episode only
-            engine_fault = isinstance(e, EngineFault) or "Unavailable" in type(e).__name__
+            from .client import EngineUnavailable  # (a stale reply refused by the router is one too)
+
+            engine_fault = isinstance(e, EngineFault | EngineUnavailable) or "Unavailable" in type(e).__name__
             status, error = ("aborted" if engine_fault else "crashed"), f"{type(e).__name__}: {e}"
             reward = 0.0
             if not segments:
@@ -288,7 +290,8 @@ class EnginePolicy:
         r = await asyncio.wrap_future(req.future)
         meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)],
                 "output_token_versions": r.output_versions, "finish_reason": r.finish, "worker": self.engine.name,
-                "weight_version": str(self.engine.version if r.scored_version is None else r.scored_version)}
+                "weight_version": str(next((v for v in (r.scored_version, r.finish_version) if v is not None),
+                                           self.engine.version))}
         if return_logprob and logprob_start_len >= 0:
             start = logprob_start_len
             meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs[start:], r.input_ids[start:])]

@@ -16,8 +16,11 @@ Two implementations, chosen by configuration (`make_backend`), with nothing abov
 * `ServerBackend` — engine servers by URL (`temper serve`, the embedded servers below, or SGLang), behind
   temper's `Router` or an external router (sglang-router). A push writes the checkpoint once, then on every
   worker: `/pause_generation`, `/update_weights_from_disk`, a check of `weight_version` (and of the weights
-  checksum where the server reports one — temper's do, SGLang's do not), `/continue_generation`. A worker that
-  was down when a version was pushed rejoins the router only after it has loaded the current version.
+  checksum where the server reports one — temper's do, SGLang's do not), `/continue_generation`. Every Router
+  the backend opens (a new one per batch in the sync and pipelined loops) admits a worker only once its
+  `/get_model_info` shows the current version and checksum, loading it first when not (a server restarted at an
+  older checkpoint, or down when a version was pushed); a reply computed by older weights is refused and retried
+  on another worker (behind an external router: sent again, then refused).
 
     with embedded_servers(model_config, n=2) as urls:            # started here, stopped on exit
         asyncio.run(load_weights(urls, "runs/x/checkpoint"))
@@ -35,12 +38,13 @@ import contextlib
 import copy
 import logging
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from .client import EngineClient, EngineUnavailable
-from .router import Router
+from .router import CheckedClient, Router, shows
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +114,26 @@ async def load_weights(urls: list[str], checkpoint: str, version: int | None = N
     return out
 
 
-async def open_policy(urls: list[str], router_url: str = ""):
-    """A `generate`-capable policy: the external router, one client, or temper's Router over several workers."""
+async def open_policy(urls: list[str], router_url: str = "", checkpoint: str | None = None,
+                      version: int | None = None, checksum: str | None = None):
+    """A `generate`-capable policy: the external router, one client, or temper's Router over several workers.
+
+    With `version` (what `load_weights` loaded), replies from older weights are refused and retried, and temper's
+    Router admits a worker only once it shows that version (and `checksum`, if given), loading `checkpoint` into
+    one that does not (a server restarted meanwhile)."""
+    expect = None if version is None else (lambda: (int(version), checksum))
     if router_url:
-        return EngineClient(router_url)
-    if len(urls) == 1:
+        client = EngineClient(router_url)
+        return client if expect is None else CheckedClient(client, expect)
+    if len(urls) == 1 and expect is None:
         return EngineClient(urls[0])
-    return await Router(urls).start()
+
+    async def rejoin(client: EngineClient) -> None:
+        res = await client.update_weights_from_disk(str(checkpoint), weight_version=version, flush_cache=True)
+        if not res.get("success", False):
+            raise WeightSyncError(f"{client.url}: update_weights_from_disk({checkpoint}) failed: {res.get('message')}")
+
+    return await Router(urls, expect=expect, on_rejoin=rejoin if checkpoint is not None else None).start()
 
 
 async def close_policy(policy) -> None:
@@ -179,37 +196,62 @@ class ServerBackend:
         self.version: int | None = None
         self.current: tuple[str, int, str] | None = None  # (checkpoint path, version, checksum) every worker serves
         self.pushes: list[dict] = []
+        self.incoming: tuple[str, int, str | None] | None = None  # a push or load in flight: what it loads
+        self._locks: dict[str, threading.Lock] = {u: threading.Lock() for u in self.urls}  # one load per worker
 
     # ---- Policy --------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator:
-        if self.router_url:
-            policy = EngineClient(self.router_url)
+        if self.router_url:  # an external router picks the worker: stale replies are refused and retried here
+            policy = CheckedClient(EngineClient(self.router_url), self._expected, retries=self.retries)
             try:
                 yield policy
             finally:
                 await policy.aclose()
             return
         router = Router(self.urls, retries=self.retries, health_interval=self.health_interval,
-                        on_rejoin=self._rejoin)
-        await router.start()
+                        on_rejoin=self._rejoin, expect=self._expected)
+        await router.start()  # admits each worker only once it shows the current version and checksum
         try:
             yield router
         finally:
             await router.close()
 
+    def _expected(self) -> list[tuple[int, str | None]] | None:
+        """The (version, checksum) pairs a worker may serve: the last completed push or load, and the one in flight
+        (None before the first)."""
+        pairs = [(x[1], x[2]) for x in (self.current, self.incoming) if x is not None]
+        return pairs or None
+
     async def _rejoin(self, client: EngineClient) -> None:
-        """A worker that answers again serves only after it holds the current version."""
-        if self.current is None:
-            return
-        path, version, checksum = self.current
-        info = await client.model_info()
-        if str(info.get("weight_version")) != str(version) or info.get("weights_checksum", checksum) != checksum:
-            await self._load(client, path, version, checksum)
-            log.warning("worker %s rejoined after loading policy v%s", client.url, version)
+        """Bring a worker that does not serve the current version (restarted, say, at an older checkpoint) up to it
+        (to the version being pushed, if a push is in flight)."""
+        async with self._locked(client.url):  # never beside a push's load of the same worker
+            want = self.incoming or self.current
+            if want is None or shows(await client.model_info(), self._expected()):
+                return
+            path, version, checksum = want
+            await self._load(client, path, version, checksum, locked=True)
+        log.warning("worker %s rejoined after loading policy v%s", client.url, version)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, url: str):
+        """The worker's load lock (pushes and rejoins run on different threads' event loops), polled: a wait that is
+        cancelled (its router closing) leaves it as it was."""
+        lock = self._locks.setdefault(url, threading.Lock())
+        while not lock.acquire(blocking=False):
+            await asyncio.sleep(0.01)
+        try:
+            yield
+        finally:
+            lock.release()
 
     # ---- WeightSync ----------------------------------------------------------------------------------
-    async def _load(self, client: EngineClient, path: str, version: int, checksum: str | None) -> dict:
+    async def _load(self, client: EngineClient, path: str, version: int, checksum: str | None,
+                    locked: bool = False) -> dict:
+        if not locked:
+            async with self._locked(client.url):
+                return await self._load(client, path, version, checksum, locked=True)
         await client.pause()
         try:
             res = await client.update_weights_from_disk(path, weight_version=version)
@@ -237,15 +279,20 @@ class ServerBackend:
     def load(self, checkpoint: str | Path, version: int, checksum: str | None = None) -> dict:
         """Point every worker at an existing checkpoint (the stage's starting policy)."""
         t0 = time.perf_counter()
-        results = asyncio.run(self._push_all(str(checkpoint), version, checksum))
-        live = [r for r in results if isinstance(r, dict)]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        hard = [e for e in errors if not isinstance(e, EngineUnavailable)]
-        if hard or not live:
-            raise WeightSyncError(f"weight push v{version}: " + "; ".join(str(e) for e in (hard or errors)))
-        for e in errors:  # unreachable: it is out of the router until it answers and loads this version
-            log.warning("weight push v%s skipped a worker that is down: %s", version, e)
-        self.version, self.current = version, (str(checkpoint), version, checksum)
+        self.incoming = (str(checkpoint), version, checksum)  # workers that already serve it are admitted meanwhile
+        try:
+            results = asyncio.run(self._push_all(str(checkpoint), version, checksum))
+            live = [r for r in results if isinstance(r, dict)]
+            errors = [r for r in results if isinstance(r, BaseException)]
+            hard = [e for e in errors if not isinstance(e, EngineUnavailable)]
+            if hard or not live:
+                raise WeightSyncError(f"weight push v{version}: " + "; ".join(str(e) for e in (hard or errors)))
+            for e in errors:  # unreachable: it is out of the router until it answers and loads this version
+                log.warning("weight push v%s skipped a worker that is down: %s", version, e)
+            self.current = (str(checkpoint), version, checksum)  # (before `incoming` goes: never neither)
+            self.version = version
+        finally:
+            self.incoming = None
         rec = {"version": version, "checksum": checksum, "seconds": time.perf_counter() - t0, "workers": len(live),
                "down": len(errors), "in_flight": sum(r["in_flight"] for r in live),
                "checksum_checked": all(r["checksum_checked"] for r in live)}
@@ -338,7 +385,7 @@ class ServerTeacherPool:
         self.on[url] = domain
         return url
 
-    async def _score_rows(self, url: str, rows):
+    async def _score_rows(self, url: str, rows, domain: str):
         import torch
 
         c = EngineClient(url)
@@ -346,7 +393,14 @@ class ServerTeacherPool:
 
         async def one(i: int) -> list[float | None]:
             async with sem:
-                return await c.score(rows.ids[i, : rows.lengths[i]].tolist())
+                out = await c.generate(rows.ids[i, : rows.lengths[i]].tolist(), {"max_new_tokens": 0},
+                                       return_logprob=True, logprob_start_len=0)
+            got = out.get("meta_info", {}).get("weight_version")
+            if got is not None and str(got) != str(self.ids[domain]):  # restarted, or loaded by someone else
+                self.on[url] = None  # what it serves is unknown now: the next call loads the teacher again
+                raise WeightSyncError(f"{url}: scored with weight version {got}, not teacher {domain!r} "
+                                      f"(version {self.ids[domain]}): refused")
+            return [lp for lp, _t, _x in out["meta_info"]["input_token_logprobs"]]
 
         try:
             got = await asyncio.gather(*(one(i) for i in range(rows.ids.shape[0])))
@@ -374,7 +428,7 @@ class ServerTeacherPool:
             if k + 1 < len(order) and len(self.urls) > 1:  # prefetch the next teacher into another server
                 nxt = asyncio.create_task(self._load(order[k + 1], {url}), name=order[k + 1])
             self.used[url] = time.perf_counter()
-            scored = await asyncio.gather(*(self._score_rows(url, batches[i][1]) for i in groups[d]))
+            scored = await asyncio.gather(*(self._score_rows(url, batches[i][1], d) for i in groups[d]))
             for i, r in zip(groups[d], scored):
                 results[i] = r
         if nxt is not None:

@@ -19,11 +19,13 @@ so requests join and leave the running batch at every step.
   min/max new tokens. Log-probs are log-softmax of the raw logits (see rollout/sampling.py). Seeded
   requests reproduce on one device type (CPU and CUDA generators draw different streams).
 * Weights: `update_weights(path=… | state_dict=…)` runs between steps, bumps the policy version that is
-  stamped on every generated token; in-flight requests continue (with `flush_cache` their context is
-  re-prefilled under the new weights).
-* MTP speculative decoding (`spec_drafts=N`): the MTP layer drafts N tokens, one target forward
-  verifies them; greedy acceptance at temperature 0, rejection sampling above it (exact); returned
-  log-probs are the target model's.
+  stamped on every generated token; in-flight requests continue, their context re-prefilled under the new
+  weights, and idle sessions' prefixes are dropped: no cached row outlives the weights that computed it. A
+  checkpoint path is read with its checksum verified (`model.load_checkpoint`).
+* Batches: `submit_batch` checks every request and the queue's room before any is queued (all or nothing).
+* MTP speculative decoding (`spec_drafts=N`, rollout/speculative.py): the MTP layer drafts N tokens, one
+  target forward verifies them; greedy acceptance at temperature 0, rejection sampling above it (exact);
+  returned log-probs are the target model's. CUDA graphs of the decode step: rollout/graphs.py.
 """
 
 from __future__ import annotations
@@ -32,11 +34,8 @@ import logging
 import queue
 import threading
 import time
-import uuid
-import warnings
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,7 +43,10 @@ import torch
 from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta, token_logprobs
 from model.tokenizer import ByteTokenizer, Tokenizer
 
-from .sampling import SamplingParams, filtered_logits, sample
+from .graphs import SYNC_WARNING, DecodeGraphs, syncs_in  # noqa: F401 - re-exported (split out of this module)
+from .requests import EngineStats, GenRequest, is_scoring
+from .sampling import sample
+from .speculative import SpeculativeDecoding
 
 log = logging.getLogger(__name__)
 
@@ -57,181 +59,7 @@ class QueueFull(RuntimeError):
     pass
 
 
-@dataclass
-class GenRequest:
-    input_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    session_id: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    stream: bool = False
-    # runtime state
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    finish: dict | None = None
-    scored_version: int | None = None  # a pure-scoring request: the weight version that scored it
-    slot: int = -1
-    cached: int = 0  # leading tokens of context() whose cache rows are in the slot
-    reused: int = 0  # of those, how many came from the session's earlier turns
-    future: Future = field(default_factory=Future)
-    chunks: queue.Queue | None = None
-    gen: torch.Generator | None = None
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    spec_verify: int = 0
-    spec_accepted: int = 0
-
-    def context(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-
-def is_scoring(r: GenRequest) -> bool:
-    """A request that only scores its input: no new tokens, log-probs of every input token."""
-    return r.params.max_new_tokens == 0 and r.return_logprob and r.logprob_start_len == 0 and not r.stream
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    generated_tokens: int = 0
-    spec_verifies: int = 0
-    spec_emitted: int = 0
-    weight_updates: int = 0
-    aborted: int = 0  # requests ended by an abort (a client's, a disconnect, abort_all)
-    cuda_graphs: str = "off"  # "on", or "fallback: <why>" when the decode forward could not be captured
-    graph_replays: int = 0
-
-    @property
-    def accept_length(self) -> float:
-        return self.spec_emitted / self.spec_verifies if self.spec_verifies else 0.0
-
-    @property
-    def prefix_reuse(self) -> float:
-        """Share of prompt tokens whose cache rows came from the session's earlier turns."""
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
-
-
-def syncs_in(fn) -> list[str]:
-    """Run `fn`; return the `file:line`s where it (this thread) raised the sync-debug warning. Warnings from other
-    threads in the meantime (an in-process trainer, say) are neither counted nor swallowed: they reach the handler
-    that was there before."""
-    me, found = threading.get_ident(), set()
-    with warnings.catch_warnings():  # restores the filters and the handler below when it exits
-        warnings.simplefilter("always")
-        before = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if threading.get_ident() == me and SYNC_WARNING in str(message):
-                found.add(f"{Path(filename).name}:{lineno}")
-            else:
-                before(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = show
-        fn()
-    return sorted(found)
-
-
-class DecodeGraphs:
-    """CUDA graphs of the plain decode forward (one new token per row), one per (batch bucket, key bucket): batch
-    buckets 1, 2, 4, … up to the slot count, key buckets powers of two from 64 up to the cache's max_len (and the
-    indexer's top-k). Each is captured on first use over static input buffers and replayed with the batch padded up
-    to its bucket. Padding rows
-    decode into the cache's spare last slot (`pad`, never handed out), whose length the graph itself resets, so they
-    touch no real slot and always attend to one key.
-
-    Capturing needs a forward with no host syncs (`.item()`, `.tolist()`, `nonzero()`, `bool(t)`, host-to-device
-    copies) and no Python branch or shape that depends on the cache's contents: such a value would be frozen into the
-    graph. So the key count is not read from the device: the engine passes its own bound (the longest row after this
-    step, which it tracks on the host), rounded up to the key bucket, as `Transformer.run(n_keys=…)`; keys past a
-    row's positions are masked, so a larger bound changes nothing but the work (a bound below the true count would
-    drop keys: the engine's is exact bookkeeping). A warm-up run under
-    `torch.cuda.set_sync_debug_mode("warn")` checks for syncs (the reason names the line); any failure turns graphs
-    off for good, with a warning and `EngineStats.cuda_graphs` saying why, and the engine decodes eagerly."""
-
-    MIN_KEYS = 64
-
-    def __init__(self, model: Transformer, cache: KVCache, max_batch: int, stats: EngineStats):
-        self.model, self.cache, self.stats = model, cache, stats
-        self.pad = cache.n_slots - 1
-        self.buckets = [1 << i for i in range((max_batch - 1).bit_length() + 1)]
-        self.graphs: dict[int, tuple] = {}
-        self.pool = None  # one memory pool shared by the buckets' graphs
-        stats.cuda_graphs = "on"
-
-    def key_bucket(self, n_keys: int) -> int:
-        """The smallest power of two ≥ n_keys (at least MIN_KEYS), capped at the cache's max_len; and never past the
-        indexer's top-k when n_keys is within it, so a rounded-up bound takes the same attention path as the exact
-        count (dense below the top-k, selected above it)."""
-        b = min(max(self.MIN_KEYS, 1 << (max(n_keys, 1) - 1).bit_length()), self.cache.max_len)
-        topk = self.model.config.index_topk if self.model.config.use_dsa else None
-        return topk if topk is not None and n_keys <= topk < b else b
-
-    def run(self, ids: torch.Tensor, slots: torch.Tensor, n_keys: int) -> torch.Tensor | None:
-        """Logits [B, 1, V] of one decode step of ids [B, 1] in `slots` [B], where no row has more than `n_keys`
-        keys after the step; None when graphs are off."""
-        if self.stats.cuda_graphs != "on":
-            return None
-        b = ids.shape[0]
-        key = (next(x for x in self.buckets if x >= b), self.key_bucket(n_keys))
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(*key)
-            except Exception as e:  # noqa: BLE001 - not capturable (yet): decode eagerly, and say so
-                self.stats.cuda_graphs = f"fallback: {type(e).__name__}: {e}"[:300]
-                log.warning("CUDA graphs off, decoding eagerly: the decode forward could not be captured (%s: %s)",
-                            type(e).__name__, e)
-                return None
-        graph, s_ids, s_slots, s_logits = self.graphs[key]
-        s_ids[:b].copy_(ids)
-        s_slots[:b].copy_(slots)
-        s_slots[b:].fill_(self.pad)
-        graph.replay()
-        self.stats.graph_replays += 1
-        return s_logits[:b]
-
-    def step(self, ids: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor, n_keys: int) -> torch.Tensor:
-        """The captured decode step: the bounded forward, then the padding slot's length reset in place on the
-        device (`lengths[pad] = 0` would copy a host scalar in: a synchronous copy, which a capture refuses)."""
-        logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
-        self.cache.lengths.narrow(0, self.pad, 1).zero_()  # the padding rows' token is forgotten
-        return logits
-
-    def _capture(self, size: int, n_keys: int) -> tuple:
-        dev = self.cache.lengths.device
-        ids = torch.zeros(size, 1, dtype=torch.long, device=dev)
-        slots = torch.full((size,), self.pad, dtype=torch.long, device=dev)
-        n_new = torch.ones(size, dtype=torch.long, device=dev)
-
-        def step() -> torch.Tensor:
-            return self.step(ids, slots, n_new, n_keys)
-
-        self.pool = self.pool or torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (lazy inits, allocator) off the capture, refusing host syncs
-            torch.cuda.set_sync_debug_mode("warn")  # a warning carries the Python line that synced; an error not
-            try:
-                syncs = syncs_in(step)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        if syncs:
-            raise RuntimeError("a synchronizing CUDA operation in the decode step at " + ", ".join(syncs))
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = step()
-        return graph, ids, slots, logits
-
-
-class Engine:
+class Engine(SpeculativeDecoding):
     def __init__(
         self,
         model: Transformer,
@@ -285,7 +113,8 @@ class Engine:
             self.start()
 
     # ---- public API (thread-safe) ------------------------------------------------------------------
-    def submit(self, req: GenRequest) -> GenRequest:
+    def check(self, req: GenRequest) -> None:
+        """Raise EngineError if `req` cannot run here (nothing is queued, nothing changes)."""
         if not req.input_ids:
             raise EngineError("input_ids is empty")
         bad = [t for t in req.input_ids if not 0 <= t < self.cfg.vocab_size]
@@ -302,24 +131,41 @@ class Engine:
                 f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
                 f"context length {self.max_len}"
             )
-        if req.params.sampling_seed is not None:
-            req.gen = torch.Generator(self.device).manual_seed(req.params.sampling_seed)
-        if req.stream:
-            req.chunks = queue.Queue()
-        if is_scoring(req):  # scored whole on the engine thread, between steps: one weight version, exact bits
+
+    def submit(self, req: GenRequest) -> GenRequest:
+        return self.submit_batch([req])[0]
+
+    def submit_batch(self, reqs: list[GenRequest]) -> list[GenRequest]:
+        """All or nothing: every request is checked (EngineError naming the first bad one, `batch[i]: …` for a batch)
+        and the queue's room for all of them is checked (QueueFull) before any is queued or scored."""
+        for i, req in enumerate(reqs):
+            try:
+                self.check(req)
+            except EngineError as e:
+                raise EngineError(f"batch[{i}]: {e}" if len(reqs) > 1 else str(e)) from None
+        for req in reqs:
+            if req.params.sampling_seed is not None:
+                req.gen = torch.Generator(self.device).manual_seed(req.params.sampling_seed)
+            if req.stream:
+                req.chunks = queue.Queue()
+        queued = [r for r in reqs if not is_scoring(r)]
+        with self._cv:
+            if queued and len(self.waiting) + len(queued) > self.max_queue:
+                raise QueueFull(f"queue full ({self.max_queue} waiting)" if len(queued) == 1 else
+                                f"queue full: {len(queued)} requests do not fit ({len(self.waiting)} of "
+                                f"{self.max_queue} waiting)")
+            self.waiting.extend(queued)
+            self._cv.notify()
+        for req in reqs:
+            if not is_scoring(req):
+                continue  # scored whole on the engine thread, between steps: one weight version, exact bits
             if self._thread is None:
                 self._run_command("score", req, Future())
             else:
                 self._cmds.put(("score", req, Future()))
                 with self._cv:
                     self._cv.notify()
-            return req
-        with self._cv:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"queue full ({self.max_queue} waiting)")
-            self.waiting.append(req)
-            self._cv.notify()
-        return req
+        return reqs
 
     def generate(self, input_ids: list[int], **kw) -> GenRequest:
         """Submit and wait (blocking helper for tests and scripts)."""
@@ -470,11 +316,10 @@ class Engine:
         paused = len(self.running) + len(self.waiting)
         if abort_all:
             self._abort(None)
-        elif flush_cache:
-            self._flush()
-        else:
-            for s in list(self.sessions):  # idle prefixes were computed by the old weights
-                self._drop_session(s)
+        # every cached row was computed by the old weights: idle sessions' prefixes are dropped, and running requests
+        # re-prefill their context under the new ones (with or without `flush_cache`). Kept rows once gave a session's
+        # next turn log-probs off by 0.2 from the new weights' while its tokens were stamped with the new version.
+        self._flush()
         return {"success": True, "message": f"weights updated to version {self.version}", "version": self.version,
                 "num_paused_requests": paused, "seconds": time.perf_counter() - t0}
 
@@ -710,134 +555,9 @@ class Engine:
     def _finish(self, r: GenRequest, fin: dict) -> None:
         if r.finish is not None:
             return
+        r.finish_version = self.version  # the weights its last work was computed with (see `_update`)
         r.finish = fin
         if r.chunks is not None:
             r.chunks.put(("finish", fin, None))
         if not r.future.done():
             r.future.set_result(r)
-
-    # ---- MTP speculative decoding ------------------------------------------------------------------
-    # Invariant per slot: `_hidden[slot]` holds the main model's last-layer hidden state for every cached
-    # position (aligned with slot_tokens); the MTP cache covers a prefix of the pairs (h_j, token_{j+1}).
-    @torch.no_grad()
-    def _speculate(self, reqs: list[GenRequest]) -> None:
-        """One speculative step for every decoding request at once: batched MTP draft forwards (each row over its
-        own MTP prefix, rows with fewer drafts drop out of the later chained steps), ONE target forward verifying
-        every row's [c_n, d_1..d_k] (ragged: rows without drafts verify just c_n, i.e. decode plainly), acceptance
-        per row, a per-row rollback of the rejected positions, and one transfer of the emitted tokens and their
-        log-probs to the host. Greedy rows are decided on the device; sampled rows with drafts run the same
-        sequential rejection test as ever on their own generator (its host syncs), so seeded requests draw the
-        same random stream whatever they are batched with."""
-        dev = self.device
-        ctxs = [r.context() for r in reqs]
-        ns = [len(c) - 1 for c in ctxs]  # newest confirmed token c_n of each row is not yet in the main cache
-        ks = []
-        for r, c in zip(reqs, ctxs):
-            p = r.params
-            k = min(self.spec_drafts, p.max_new_tokens - len(r.output_ids) - 1, self.max_len - len(c) - 1)
-            if len(r.output_ids) < p.min_new_tokens and self._stop_ids(r):
-                k = 0  # drafts could propose (and accept) a stop token too early: decode plainly, with it masked
-            ks.append(max(k, 0))
-        b, kmax = len(reqs), max(ks)
-        spec = [i for i in range(b) if ks[i]]
-        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
-        qdist: dict[int, list[torch.Tensor]] = {i: [] for i in spec}
-        if spec:
-            # draft 1: MTP over each row's positions m..n-1 (right-padded), pairing h_j with c_{j+1}
-            sslots = self._t([reqs[i].slot for i in spec])
-            ms = [min(m, ns[i] - 1) for i, m in zip(spec, self.cache.mtp_lengths[sslots].tolist())]
-            self.cache.mtp_lengths[sslots] = self._t(ms)
-            widths = [ns[i] - m for i, m in zip(spec, ms)]
-            w = max(widths)
-            hid = torch.stack([torch.nn.functional.pad(self._hidden[reqs[i].slot][m : ns[i]], (0, 0, 0, w - n))
-                               for i, m, n in zip(spec, ms, widths)])
-            nxt = self._t([ctxs[i][m + 1 : ns[i] + 1] + [0] * (w - n) for i, m, n in zip(spec, ms, widths)])
-            lg, g = self.model.mtp(hid, nxt, 0, cache=self.cache, slots=sslots, n_new=self._t(widths))
-            last = self._t([n - 1 for n in widths])
-            ar = torch.arange(len(spec), device=dev)
-            logits, g = lg[ar, last], g[ar, last]
-            rows = spec  # the rows still drafting; logits/g are theirs, in this order
-            for step in range(kmax):
-                d = logits.argmax(-1)
-                for j, i in enumerate(rows):
-                    p = reqs[i].params
-                    if not p.greedy:
-                        q = filtered_logits(logits[j], p).softmax(-1)
-                        d[j] = torch.multinomial(q, 1, generator=reqs[i].gen)[0]
-                        qdist[i].append(q)
-                drafts[self._t(rows), step] = d
-                keep = [j for j, i in enumerate(rows) if ks[i] > step + 1]
-                if not keep:
-                    break
-                # chain: the MTP layer consumes its own previous hidden state
-                sel = self._t(keep)
-                rows = [rows[j] for j in keep]
-                lg, gg = self.model.mtp(g[sel][:, None], d[sel][:, None], step + 1, cache=self.cache,
-                                        slots=self._t([reqs[i].slot for i in rows]))
-                logits, g = lg[:, 0], gg[:, 0]
-        # verify every row's [c_n, d_1..d_k] in one target forward
-        slots = self._t([r.slot for r in reqs])
-        kt = self._t(ks)
-        ids = torch.cat([self._t([c[-1] for c in ctxs])[:, None], drafts], 1)
-        out = self.model.run(ids, cache=self.cache, slots=slots, n_new=kt + 1)
-        tl = out.logits.float()
-        masked = [(i, t) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens
-                  for t in self._stop_ids(r)]  # only rows without drafts (k = 0): as plain decoding masks them
-        if masked:
-            tl[self._t([i for i, _ in masked]), 0, self._t([t for _, t in masked])] = float("-inf")
-        # greedy acceptance: the longest prefix of drafts equal to the target's argmax
-        col = torch.arange(kmax, device=dev)
-        match = (tl[:, :kmax].argmax(-1) == drafts) & (col[None, :] < kt[:, None])
-        acc = match.long().cumprod(1).sum(1)
-        bonus = torch.zeros(b, dtype=torch.long, device=dev)
-        rejected = set()
-        for i in spec:  # rejection sampling, row by row on the request's own generator
-            r = reqs[i]
-            p = r.params
-            if p.greedy:
-                continue
-            a = 0
-            for j in range(ks[i]):
-                dj = int(drafts[i, j])
-                pt = filtered_logits(tl[i, j], p).softmax(-1)
-                q = qdist[i][j]
-                if float(torch.rand((), generator=r.gen, device=dev)) < min(1.0, float(pt[dj] / q[dj])):
-                    a += 1
-                    continue
-                resid = torch.clamp(pt - q, min=0)
-                bonus[i] = torch.multinomial(resid / resid.sum(), 1, generator=r.gen)[0]
-                rejected.add(i)
-                break
-            acc[i] = a
-        # the token after the accepted drafts: the target's own sample there (argmax for greedy rows)
-        rest = [i for i in range(b) if i not in rejected]
-        if rest:
-            at = self._t(rest)
-            bonus[at] = sample(tl[at, acc[at]], [reqs[i].params for i in rest], [reqs[i].gen for i in rest])
-        emitted = torch.cat([drafts, drafts.new_zeros(b, 1)], 1).scatter(1, acc[:, None], bonus[:, None])
-        lp = tl.log_softmax(-1).gather(2, emitted[:, :, None])[:, :, 0]
-        host = torch.cat([emitted.double(), lp.double(), acc.double()[:, None]], 1).tolist()  # the one transfer
-        accs = [int(h[-1]) for h in host]
-        keep = [n + 1 + a for n, a in zip(ns, accs)]  # c_n and the accepted drafts stay in the main cache
-        self.cache.truncate(slots, self._t(keep))
-        if spec:  # chained-draft rows beyond n-1 used MTP hiddens: recompute later
-            self.cache.mtp_lengths[self._t([reqs[i].slot for i in spec])] = self._t([ns[i] for i in spec])
-        for i, r in enumerate(reqs):
-            n, a, c = ns[i], accs[i], ctxs[i]
-            toks = [int(t) for t in host[i][: a + 1]]
-            self.slot_tokens[r.slot] = self.slot_tokens[r.slot][:n] + [c[n]] + toks[:a]
-            self._hidden[r.slot] = torch.cat([self._hidden[r.slot][:n], out.hidden[i, : a + 1]], 0)
-            r.cached = keep[i]
-        for i, r in enumerate(reqs):
-            a = accs[i]
-            emit = zip([int(t) for t in host[i][: a + 1]], host[i][kmax + 1 : kmax + 2 + a])
-            if not ks[i]:  # no drafts: a plain decode step
-                self._append(r, *next(emit))
-                continue
-            self.stats.spec_verifies += 1
-            r.spec_verify += 1
-            r.spec_accepted += a
-            for tok, v in emit:
-                self.stats.spec_emitted += 1
-                if self._append(r, tok, v):
-                    break

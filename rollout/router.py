@@ -7,9 +7,16 @@
   reused across an episode's turns (re-pinned if that worker goes down).
 * Health: a background task polls `/health`; a worker that fails a request is marked down and the
   request is retried on another worker (up to `retries`).
-* Rejoin: a worker that answers again is given back work only after `on_rejoin(client)` succeeds — the
-  weight sync uses it to load the current policy version into a restarted server first, so no request is
-  ever served by stale weights.
+* Admission: with `expect` (a callable giving the (version, weights checksum) pairs a worker may serve — the
+  current one, and during a weight push the one being pushed — or None while none is known), a worker gets work
+  only after its `/get_model_info` shows one of them (the checksum where both sides report one): when the router
+  starts, at every health poll (a server restarted between two polls answers `/health` like any other), and
+  right after it sent a stale reply. A worker that does not is out of the rotation while `on_rejoin(client)` (the
+  weight sync's loader) brings it up to date; it comes back only once it shows an expected version.
+* Replies: every reply's versions (`output_token_versions`, else `weight_version`) must be at least the lowest
+  expected version when the request was sent (versions only grow while a router serves); a stale reply is
+  refused, its worker taken out and re-admitted, and the request retried on another worker. So no request is
+  served by weights older than the ones the weight sync made current.
 """
 
 from __future__ import annotations
@@ -34,44 +41,152 @@ class Worker:
     healthy: bool = True
     served: int = 0
     failures: int = 0
+    stale: int = 0  # replies refused for their weight version
+    admitting: bool = False  # out of the rotation while its version is checked and brought up to date
     last_check: float = field(default_factory=time.time)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one admission check at a time
 
 
 class NoHealthyWorker(RuntimeError):
     pass
 
 
+class StaleReply(EngineUnavailable):
+    """A worker answered with weights older than the version every worker must serve."""
+
+
+def _int(v) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def reply_versions(out: dict) -> list[int | None]:
+    """The weight versions a reply says computed it: its per-token versions, else its `weight_version` (None where
+    one is not an integer, e.g. SGLang's "default" before any version was set); [] when it names none."""
+    meta = out.get("meta_info") or {}
+    toks = meta.get("output_token_versions")
+    if toks:
+        return [_int(v) for v in toks]
+    return [_int(meta["weight_version"])] if meta.get("weight_version") is not None else []
+
+
+Want = list[tuple[int, str | None]]  # the (version, checksum) pairs a worker may serve
+
+
+def lowest(want: Want | None) -> int | None:
+    return None if not want else min(v for v, _ in want)
+
+
+def wanted(x) -> Want | None:
+    """`expect()`'s answer as a list of pairs: None, one (version, checksum) pair, or a list of them."""
+    if x is None:
+        return None
+    return [x] if isinstance(x, tuple) else list(x)
+
+
+def shows(info: dict, want) -> bool:
+    """Does a worker's model info show one of the expected (version, checksum) pairs (`wanted`)? A reported checksum
+    must match where the pair has one."""
+    v = _int(info.get("weight_version"))
+    got = info.get("weights_checksum")
+    return v is not None and any(v == version and (checksum is None or got is None or got == checksum)
+                                 for version, checksum in wanted(want) or [])
+
+
 class Router:
     scores = True  # answers pure-scoring requests; the agent checks `exact_scoring` in the reply
 
     def __init__(self, urls: list[str], slots_per_worker: int | None = None, retries: int = 2,
-                 health_interval: float = 2.0, on_rejoin=None):
+                 health_interval: float = 2.0, on_rejoin=None, expect=None):
         if not urls:
             raise ValueError("router needs at least one worker URL")
         self.workers = [Worker(EngineClient(u), slots_per_worker or 0) for u in urls]
         self.retries, self.health_interval = retries, health_interval
-        self.on_rejoin = on_rejoin  # async (EngineClient) -> None, raising if the worker must stay out
+        self.on_rejoin = on_rejoin  # async (EngineClient) -> None: load the expected weights, raising if it cannot
+        self.expect = expect  # () -> None | (version, checksum) | [(version, checksum), …]: what a worker may serve
         self.affinity: dict[str, Worker] = {}
         self._cv: asyncio.Condition | None = None
         self._health_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> Router:
         self._cv = asyncio.Condition()
-        for w in self.workers:
+
+        async def first(w: Worker) -> None:
             if not w.slots:
                 try:
                     w.slots = int((await w.client.server_info()).get("max_running_requests", 8))
                 except Exception:  # noqa: BLE001 - unknown capacity: a conservative default
                     w.slots = 8
-            w.healthy = await w.client.health()
+            try:
+                w.healthy = await self._admit(w)
+            finally:
+                w.admitting = False
+
+        await asyncio.gather(*(first(w) for w in self.workers))
         self._health_task = asyncio.create_task(self._health_loop())
         return self
 
+    def _want(self) -> Want | None:
+        return wanted(self.expect()) if self.expect is not None else None
+
+    async def _admit(self, w: Worker) -> bool:
+        """Does `w` answer and serve the expected weights? If it answers with others, it is out of the rotation while
+        `on_rejoin` loads them; True only once it shows them. (What is expected is read after the worker answered:
+        a push may have moved both meanwhile.)"""
+        if not await w.client.health():
+            return False
+        if self._want() is None:
+            return True
+        try:
+            info = await w.client.model_info()
+            if shows(info, self._want()):
+                return True
+            w.healthy, w.admitting = False, True
+            if self.on_rejoin is None:
+                log.warning("worker %s serves weight version %s, not one of %s, and nothing can load it: kept out",
+                            w.client.url, info.get("weight_version"), self._want())
+                return False
+            await self.on_rejoin(w.client)
+            info = await w.client.model_info()
+            if shows(info, self._want()):
+                log.warning("worker %s admitted after loading weight version %s", w.client.url,
+                            info.get("weight_version"))
+                return True
+            log.warning("worker %s still serves weight version %s after a load, not one of %s: kept out",
+                        w.client.url, info.get("weight_version"), self._want())
+        except Exception as e:  # noqa: BLE001 - it stays out until a later check succeeds
+            log.warning("worker %s answers but could not be admitted: %s", w.client.url, e)
+        return False
+
+    async def _check(self, w: Worker) -> None:
+        async with w.lock:
+            try:
+                ok = await self._admit(w)
+            finally:
+                w.admitting = False
+        if ok != w.healthy:
+            log.warning("worker %s is now %s", w.client.url, "up" if ok else "down")
+        w.healthy, w.last_check = ok, time.time()
+        async with self._cv:
+            self._cv.notify_all()
+
+    def _recheck(self, w: Worker) -> None:
+        """Take `w` out now and re-admit it in the background (a stale reply: it may have been restarted)."""
+        w.healthy, w.admitting = False, True
+        task = asyncio.create_task(self._check(w))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def close(self) -> None:
-        if self._health_task:
-            self._health_task.cancel()
+        for t in [self._health_task, *self._tasks]:
+            if t is None:
+                continue
+            t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+                await t
         for w in self.workers:
             await w.client.aclose()
 
@@ -85,18 +200,8 @@ class Router:
         while True:
             await asyncio.sleep(self.health_interval)
             for w in self.workers:
-                ok = await w.client.health()
-                if ok and not w.healthy and self.on_rejoin is not None:
-                    try:
-                        await self.on_rejoin(w.client)
-                    except Exception as e:  # noqa: BLE001 - it stays out until a later check succeeds
-                        log.warning("worker %s answers but could not rejoin: %s", w.client.url, e)
-                        ok = False
-                if ok != w.healthy:
-                    log.warning("worker %s is now %s", w.client.url, "up" if ok else "down")
-                w.healthy, w.last_check = ok, time.time()
-            async with self._cv:
-                self._cv.notify_all()
+                if not w.admitting:  # (a re-admission in flight decides for itself)
+                    await self._check(w)
 
     def _pick(self, session_id: str | None) -> Worker | None:
         if session_id is not None:
@@ -111,7 +216,7 @@ class Router:
     async def _acquire(self, session_id: str | None, cost: int) -> Worker:
         async with self._cv:
             while True:
-                if not any(w.healthy for w in self.workers):
+                if not any(w.healthy or w.admitting for w in self.workers):
                     raise NoHealthyWorker("no healthy engine worker")
                 w = self._pick(session_id)
                 if w is not None:
@@ -133,16 +238,25 @@ class Router:
         session = kw.get("session_id")
         last: Exception | None = None
         for _attempt in range(self.retries + 1):
+            floor = lowest(self._want())  # the reply must come from these weights or newer ones
             w = await self._acquire(session, cost)
             try:
                 out = await w.client.generate(input_ids, sampling_params, **kw)
+                if floor is not None:
+                    old = [v for v in reply_versions(out) if v is None or v < floor]
+                    if old:
+                        w.stale += 1
+                        self._recheck(w)
+                        raise StaleReply(f"{w.client.url} answered with weight version {old[0]}, older than the "
+                                         f"policy v{floor} every worker must serve")
                 w.served += 1
                 out.setdefault("meta_info", {})["worker"] = w.client.url
                 return out
             except EngineUnavailable as e:
                 last = e
-                w.failures += 1
-                w.healthy = False  # until the health loop sees it answer again
+                if not isinstance(e, StaleReply):
+                    w.failures += 1
+                    w.healthy = False  # until the health loop sees it answer again
                 if session is not None:
                     self.affinity.pop(session, None)
                 log.warning("worker %s failed (%s); retrying elsewhere", w.client.url, e)
@@ -160,4 +274,36 @@ class Router:
 
     def stats(self) -> list[dict]:
         return [{"url": w.client.url, "healthy": w.healthy, "served": w.served, "failures": w.failures,
-                 "outstanding": w.outstanding} for w in self.workers]
+                 "stale": w.stale, "outstanding": w.outstanding} for w in self.workers]
+
+
+class CheckedClient:
+    """One `EngineClient` (an external router, say) whose replies must come from the expected weights: a reply older
+    than `expect()`'s version when it was sent is refused and the request sent again (the router in front may pick
+    another worker), up to `retries` times; then `StaleReply`."""
+
+    scores = True
+
+    def __init__(self, client: EngineClient, expect, retries: int = 2):
+        self.client, self.expect, self.retries = client, expect, retries
+        self.url = client.url
+        self.stale = 0
+
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None, **kw) -> dict:
+        for _attempt in range(self.retries + 1):
+            floor = lowest(wanted(self.expect()))
+            out = await self.client.generate(input_ids, sampling_params, **kw)
+            old = [] if floor is None else [v for v in reply_versions(out) if v is None or v < floor]
+            if not old:
+                return out
+            self.stale += 1
+            log.warning("%s answered with weight version %s, older than policy v%s: sent again", self.url, old[0],
+                        floor)
+        raise StaleReply(f"{self.url}: {self.retries + 1} replies came from weights older than policy v{floor}")
+
+    async def score(self, input_ids: list[int]) -> list[float | None]:
+        out = await self.generate(input_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+        return [lp for lp, _t, _x in out["meta_info"]["input_token_logprobs"]]
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

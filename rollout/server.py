@@ -7,7 +7,10 @@ OpenAI: POST /v1/completions, /v1/chat/completions (plain and `stream: true` ser
 
 Requests are validated strictly: unknown fields, wrong types, negative limits and over-long prompts get
 400 with the reason; a full queue gets 503; anything else that goes wrong inside a request gets 500 and
-the server goes on.
+the server goes on. A batch is all or nothing: every prompt is checked, and the queue's room for all of them,
+before any starts. A checkpoint whose files do not match their recorded checksums is refused (400, naming the
+file). Every reply's `weight_version` is the version that computed it; `/health_generate` says when generation is
+paused instead of waiting for it to resume.
 
     temper serve --checkpoint DIR --port 30000 [--device cuda --dtype bfloat16 --cuda-graphs]
 """
@@ -27,102 +30,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from model.tokenizer import ChatTemplate
 
 from .engine import Engine, EngineError, GenRequest, QueueFull
 from .sampling import SamplingParams
-
-
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(default=0, ge=0, le=0)
-    stream: bool = False
-    rid: str | list[str] | None = None
-    session_id: str | None = None
-    routing_key: str | None = None
-    # Fields real SGLang accepts (sglang-router forwards them): harmless ones are accepted, features this
-    # engine lacks are refused when switched on.
-    model: str | None = None
-    return_text_in_logprobs: bool = False
-    log_metrics: bool = True
-    no_logs: bool = False
-    return_bytes: bool = False
-    return_hidden_states: bool = False
-    return_entropy: bool = False
-    background: bool = False
-
-
-UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "background", "return_bytes")
-
-
-class UpdateFromDisk(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model_path: str
-    weight_version: str | int | None = None
-    abort_all_requests: bool = False
-    flush_cache: bool = False
-    load_format: str | None = None
-
-
-class UpdateFromTensor(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    serialized_named_tensors: str  # base64 of a safetensors blob
-    weight_version: str | int | None = None
-    flush_cache: bool = False
-    abort_all_requests: bool = False
-
-
-class CompletionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int = Field(default=16, ge=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
-    n: int = Field(default=1, ge=1, le=1)
-    session_id: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: str
-    content: str
-
-
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    logprobs: bool = False
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
-    n: int = Field(default=1, ge=1, le=1)
-    session_id: str | None = None
-    response_format: dict | None = None  # only {"type": "text"}: no constrained decoding here (see chat handler)
+from .schemas import (
+    UNSUPPORTED_FLAGS,
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    UpdateFromDisk,
+    UpdateFromTensor,
+    parse_version,
+)
 
 
 def _reason(err: ValidationError | RequestValidationError) -> str:
@@ -214,14 +136,18 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                 + f" (expected one of {', '.join(SamplingParams.model_fields)})"
             ) from None
 
-    async def run(req: GenRequest) -> GenRequest:
-        engine.submit(req)
-        return await asyncio.wrap_future(req.future)
+    def reply_version(r: GenRequest) -> int:
+        """The weight version that computed `r`'s reply: the scoring one, else the one it finished under (a weight
+        update re-prefills running requests, so that version computed its last rows), else (unfinished) now's."""
+        for v in (r.scored_version, r.finish_version):
+            if v is not None:
+                return v
+        return engine.version
 
     def meta(r: GenRequest) -> dict:
         m = {"id": r.rid, "prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
              "cached_tokens": r.reused, "finish_reason": r.finish,
-             "weight_version": str(engine.version if r.scored_version is None else r.scored_version),
+             "weight_version": str(reply_version(r)),
              "e2e_latency": time.perf_counter() - r.t_arrival}
         if r.spec_verify:
             m["spec_verify_ct"] = r.spec_verify
@@ -254,6 +180,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             if (body.text is None) == (body.input_ids is None):
                 return bad("give exactly one of `text` or `input_ids`")
             batch = isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
+            if isinstance(body.text, list) and not body.text:  # (`input_ids: []` is an empty prompt: refused below)
+                return bad("`text` is an empty list: a batch needs at least one prompt")
             prompts = ([engine.tok.encode(t) for t in body.text] if isinstance(body.text, list) else
                        [engine.tok.encode(body.text)] if body.text is not None else
                        body.input_ids if batch else [body.input_ids])
@@ -268,11 +196,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
                                stream=body.stream) for p, rid in zip(prompts, rids)]
             if body.stream:
                 return StreamingResponse(stream_native(reqs[0]), media_type="text/event-stream")
-            for r in reqs:
-                engine.submit(r)
+            engine.submit_batch(reqs)  # all or nothing: every prompt checked, and room for all, before any starts
         except QueueFull as e:
-            for r in reqs:
-                await in_control(engine.abort, r.rid)  # a batch is all or nothing
             return bad(str(e), 503)
         except EngineError as e:
             return bad(str(e))
@@ -325,10 +250,11 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             return body
         if "new_version" not in body:
             return bad("expected {\"new_version\": ...}")
-        try:
-            engine.version = int(body["new_version"])
-        except (TypeError, ValueError):
-            return bad("new_version must be an integer")
+        v = parse_version(body["new_version"])
+        if v is None:
+            return bad(f"new_version must be an integer from 0 to 2**63 - 1 (or its decimal string), got "
+                       f"{str(body['new_version'])[:40]!r}")
+        engine.version = v
         return {"success": True, "message": f"weight version {engine.version}"}
 
     @app.post("/pause_generation")
@@ -363,8 +289,22 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     @app.get("/health_generate")
     async def health_generate():
-        r = await run(GenRequest([engine.tok.eos_id], SamplingParams(max_new_tokens=1)))
-        return {"status": "ok", "tokens": len(r.output_ids)}
+        """One token generated end to end; while generation is paused it answers at once that it is paused (the
+        probe is not left waiting for /continue_generation)."""
+        paused = {"status": "paused", "paused": True, "message": "generation is paused (POST /continue_generation)"}
+        if engine.paused:
+            return paused
+        r = GenRequest([engine.tok.eos_id], SamplingParams(max_new_tokens=1))
+        engine.submit(r)
+        fut = asyncio.wrap_future(r.future)
+        while not fut.done():
+            await asyncio.wait([fut], timeout=0.05)
+            if engine.paused and not fut.done():  # paused while it waited: it would wait as long as the pause
+                await in_control(engine.abort, r.rid)
+                return paused
+        if (r.finish or {}).get("error"):
+            return bad(f"engine error: {r.finish['error']}", 500)
+        return {"status": "ok", "paused": False, "tokens": len(r.output_ids)}
 
     sums: dict[tuple, str] = {}  # weights checksum per loaded weights, computed once (what a weight push verifies)
 
@@ -448,7 +388,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             choice["logprobs"] = {"tokens": [engine.tok.decode([t]) for t in r.output_ids],
                                   "token_logprobs": r.output_logprobs}
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": served_name,
-                "choices": [choice], "usage": usage(r)}
+                "choices": [choice], "usage": usage(r), "weight_version": str(reply_version(r))}
 
     def usage(r: GenRequest) -> dict:
         return {"prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
@@ -483,7 +423,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             choice["logprobs"] = {"content": [{"token": engine.tok.decode([t]), "logprob": lp}
                                               for t, lp in zip(r.output_ids, r.output_logprobs)]}
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": served_name,
-                "choices": [choice], "usage": usage(r)}
+                "choices": [choice], "usage": usage(r), "weight_version": str(reply_version(r))}
 
     async def stream_openai(r: GenRequest, cid: str, obj: str, chat: bool):
         sent = ""

@@ -5,9 +5,11 @@ single-writer rule.
 """
 
 from store.trajectories import (
+    RETRY_DELAYS,
     SCHEMA_VERSION,
     DuplicateTrajectoryError,
     ParquetReader,
+    StoreIOError,
     StoreLockedError,
     TrajectoryStore,
     from_arrow,
@@ -16,9 +18,11 @@ from store.trajectories import (
 from store.writer import StoreWriteError, StoreWriter
 
 __all__ = [
+    "RETRY_DELAYS",
     "SCHEMA_VERSION",
     "DuplicateTrajectoryError",
     "ParquetReader",
+    "StoreIOError",
     "StoreLockedError",
     "StoreWriteError",
     "StoreWriter",

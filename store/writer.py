@@ -9,11 +9,17 @@ Bad input loses nothing else: when a batch fails (an id already stored, a dict t
 id outside int32), the writer commits the rest of the batch and keeps the failures; the next `flush()` or
 `close()` raises `StoreWriteError` listing them. Of two trajectories with the same id the first one
 stored wins.
+
+A write that fails for a reason outside the batch (`StoreIOError`: the disk is full, an I/O error) drops
+nothing: the batch is written again after each of `retry_delays` seconds; if the store still cannot write,
+the writer holds the batch, `flush()` raises `StoreIOError` saying how many it holds, and the next commit,
+`flush()` or `close()` writes them first.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
 import threading
@@ -22,7 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rollout.types import Trajectory
-from store.trajectories import DuplicateTrajectoryError, TrajectoryStore
+from store.trajectories import RETRY_DELAYS, DuplicateTrajectoryError, StoreIOError, TrajectoryStore
+
+log = logging.getLogger(__name__)
 
 
 class StoreWriteError(RuntimeError):
@@ -38,6 +46,14 @@ class StoreWriteError(RuntimeError):
 @dataclass
 class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Held(Exception):  # noqa: N818 - internal signal, never escapes the writer thread
+    """The store could not write (I/O): `rest` is what of the batch is not written yet."""
+
+    def __init__(self, rest: list[Trajectory], error: OSError):
+        super().__init__(str(error))
+        self.rest, self.error = rest, error
 
 
 _STOP = object()
@@ -63,6 +79,8 @@ class StoreWriter:
         flush_interval: float = 1.0,
         max_queue: int = 10_000,
         on_commit: Callable[[list[str]], None] | None = None,
+        retry_delays: Sequence[float] = RETRY_DELAYS,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -73,7 +91,11 @@ class StoreWriter:
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.on_commit = on_commit
+        self.retry_delays, self._sleep = tuple(retry_delays), sleep
         self.committed = 0  # trajectories committed so far
+        self.retries = 0  # failed attempts at a batch (I/O) that were tried again
+        self._held: list[Trajectory] = []  # what the store could not write yet (I/O): written first next time
+        self._held_error: OSError | None = None
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # orders submit against close
         self._flock = threading.Lock()  # guards _failures (the writer thread never takes _lock)
@@ -143,6 +165,10 @@ class StoreWriter:
     def _raise_failures(self) -> None:
         with self._flock:
             failures, self._failures = self._failures, []
+            held, err = len(self._held), self._held_error
+        if held:
+            raise StoreIOError(f"{held} trajectories are not written yet: the store could not write ({err}); the "
+                               "writer holds them and writes them first at the next commit, flush or close")
         if failures:
             raise StoreWriteError(failures)
 
@@ -166,7 +192,7 @@ class StoreWriter:
                     pending.append(item)
                     if len(pending) < self.batch_size and time.monotonic() < deadline:
                         continue
-                if pending:
+                if pending or (self._held and item is not None):  # held ones: again at a flush or close
                     self._commit(pending)
                     pending = []
                 if isinstance(item, _Flush):
@@ -175,13 +201,38 @@ class StoreWriter:
                     return
         except BaseException as e:  # keep it for submit/flush/close to raise
             self._fatal = e
-            for t in pending:
+            for t in self._held + pending:
                 self._fail(t, f"not written: writer thread died ({e!r})")
             raise
 
     def _commit(self, batch: list[Trajectory]) -> None:
+        """Write what is held and `batch`; an I/O failure is retried after each of `retry_delays`, and what is still
+        not written after the last is held (never dropped)."""
+        with self._flock:
+            batch, self._held, self._held_error = self._held + batch, [], None
+        for delay in (*self.retry_delays, None):
+            try:
+                self._write(batch)
+                return
+            except _Held as h:
+                batch = h.rest
+                if delay is None:
+                    with self._flock:
+                        self._held, self._held_error = batch, h.error
+                    log.warning("store writer: holding %d trajectories the store could not write (%s)", len(batch),
+                                h.error)
+                    return
+                self.retries += 1
+                log.warning("store write failed (%s); %d trajectories kept, written again in %g s", h.error,
+                            len(batch), delay)
+                self._sleep(delay)
+
+    def _write(self, batch: list[Trajectory]) -> None:
+        """Commit `batch`, setting the bad ones aside; raises _Held with what is left when the store cannot write."""
         try:
             self.store.write(batch)
+        except OSError as e:  # StoreIOError (disk full, I/O) and any other OSError: nothing of it was written
+            raise _Held(batch, e) from e
         except DuplicateTrajectoryError as e:
             keep, seen = [], set()
             for t in batch:
@@ -191,13 +242,15 @@ class StoreWriter:
                     seen.add(t.trajectory_id)
                     keep.append(t)
             if keep:
-                self._commit(keep)
+                self._write(keep)
             return
         except Exception:
             # find the culprits: write one at a time, keep the good ones
-            for t in batch:
+            for i, t in enumerate(batch):
                 try:
                     self.store.write([t])
+                except OSError as e:
+                    raise _Held(batch[i:], e) from e
                 except Exception as e:
                     self._fail(t, f"{type(e).__name__}: {e}")
                 else:

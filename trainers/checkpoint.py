@@ -6,7 +6,8 @@ Layout of a checkpoint root::
       step-00000010/
         policy/            HF-layout safetensors + config.json + temper.json (policy version, checksum)
         trainer.pt         optimizer / critic state, step, policy version, data cursor, RNG states, extra
-        meta.json          written last: its presence marks the checkpoint complete
+        meta.json          written last: its presence marks the checkpoint complete; sha256 of trainer.pt (and of
+                           every rank file)
       step-00000015/ …
       latest               "step-00000015": the newest complete checkpoint
       .step-00000020.*     a save in progress (or abandoned by a crash): never read
@@ -27,6 +28,10 @@ states, the layout) into the same temp directory; rank 0 renames it only after e
 written, and `meta.json` names the rank count, so a checkpoint missing a rank file is not complete. `restore`
 with the backend loads each rank's own file and refuses another layout with the keys to change.
 
+Integrity: `load_training_state` checks every file against the checksums recorded at save (meta.json, the policy's
+temper.json) and unpickles trainer.pt; a damaged newest state (a truncated trainer.pt, a flipped byte) is skipped with
+a warning naming it, and the newest intact one is resumed instead.
+
 The policy is stored in the live parameter dtype (float32 stays float32), so restoring is exact.
 `trainer.pt` is a pickle (`torch.load(weights_only=False)`): load only checkpoints you wrote.
 
@@ -39,6 +44,7 @@ The policy is stored in the live parameter dtype (float32 stays float32), so res
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -54,7 +60,9 @@ import torch
 from torch import nn
 
 from model import Transformer, load_checkpoint, save_checkpoint
-from model.checkpoint import replace_dir, to_hf_state
+from model.checkpoint import file_sha256, replace_dir, to_hf_state, verify_checkpoint, verify_files
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1
 LATEST = "latest"
@@ -79,6 +87,8 @@ class TrainingState:
     extra: dict = field(default_factory=dict)
     ranks: int = 0  # > 0: a sharded state, one `rank-RRRRR.pt` per rank (their optimizers, critics and RNGs)
     layout: dict | None = None  # the parallel layout that saved a sharded state
+    verified: bool = False  # its files were checked against their checksums when it was read
+    skipped: list = field(default_factory=list)  # (path, why) of newer states passed over as damaged
 
     @property
     def policy_path(self) -> Path:
@@ -166,12 +176,14 @@ def _new_temp(root: Path, step: int) -> Path:
 
 
 def _write_common(tmp: Path, policy: nn.Module, payload: dict, meta: dict) -> None:
-    """The policy (HF layout, live dtype), `trainer.pt` and, last, `meta.json`, each fsynced."""
+    """The policy (HF layout, live dtype, its files' checksums in its temper.json), `trainer.pt` and, last,
+    `meta.json` (with trainer.pt's checksum), each fsynced."""
     live_dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), torch.float32)
     save_checkpoint(policy, tmp / POLICY, dtype=live_dtype, policy_version=payload["policy_version"])
     torch.save(payload, tmp / TRAINER)
     _fsync_file(tmp / TRAINER)
-    _write_synced(tmp / META, json.dumps({**meta, "saved_at": time.time()}, indent=2))
+    files = {**meta.get("files", {}), TRAINER: file_sha256(tmp / TRAINER)}
+    _write_synced(tmp / META, json.dumps({**meta, "files": files, "saved_at": time.time()}, indent=2))
     _fsync_dir(tmp / POLICY)
     _fsync_dir(tmp)
 
@@ -208,16 +220,22 @@ def _save_sharded(root: Path, backend, policy: nn.Module, common: dict, own: dic
     box: list = [str(_new_temp(root, common["step"])) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     tmp = Path(box[0])
-    err = None
+    err, sha = None, None
     try:
         torch.save({"format": FORMAT, "rank": rank, "world": world, "layout": backend.state_layout(), **own},
                    tmp / rank_file(rank))
         _fsync_file(tmp / rank_file(rank))
-        if rank == 0:
-            _write_common(tmp, full, {**common, "ranks": world, "layout": backend.state_layout()},
-                          {**meta, "ranks": world})
+        sha = file_sha256(tmp / rank_file(rank))
     except Exception as e:  # reported to every rank below, so none waits for a file that will not come
         err = f"rank {rank}: {type(e).__name__}: {e}"
+    sums: list = [None] * world
+    dist.all_gather_object(sums, sha)  # every rank file's checksum, recorded in meta.json by rank 0
+    if rank == 0 and err is None:
+        try:
+            _write_common(tmp, full, {**common, "ranks": world, "layout": backend.state_layout()},
+                          {**meta, "ranks": world, "files": {rank_file(r): x for r, x in enumerate(sums) if x}})
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            err = f"rank {rank}: {type(e).__name__}: {e}"
     errs: list = [None] * world
     dist.all_gather_object(errs, err)
     failed = [e for e in errs if e]
@@ -304,9 +322,45 @@ def latest_checkpoint(dir: str | os.PathLike) -> Path:
     return found[-1][1]
 
 
+class StateUnreadable(RuntimeError):
+    """No complete training state under a directory could be read intact."""
+
+
 def load_training_state(dir: str | os.PathLike) -> TrainingState:
-    """Read the newest complete checkpoint under `dir` (see `latest_checkpoint`)."""
-    path = latest_checkpoint(dir)
+    """Read the newest intact complete checkpoint under `dir` (see `latest_checkpoint`).
+
+    Every file is checked against the checksums recorded at save (trainer.pt and rank files in meta.json, the policy's
+    in its temper.json) and trainer.pt must unpickle. A state that fails (truncated, corrupt) is skipped with a
+    warning naming it and the reason, and the next older complete one is tried: resume falls back to the newest
+    intact state, loudly (`TrainingState.skipped` lists what was passed over). If none is intact, StateUnreadable
+    names each one and why."""
+    root = Path(dir)
+    newest = latest_checkpoint(root)
+    candidates = [newest] + [p for _, p in reversed(complete_checkpoints(root)) if p != newest]
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            state = _read_state(path)
+        except Exception as e:  # noqa: BLE001 - a damaged state: the next older one is tried, loudly
+            why = f"{type(e).__name__}: {e}"
+            skipped.append((path, why))
+            log.warning("training state %s is damaged and skipped (%s)%s", path, why,
+                        "; trying the next older one" if path != candidates[-1] else "")
+            continue
+        if skipped:
+            log.warning("resuming from %s (step %d): the newer state%s %s could not be read", path, state.step,
+                        "s" if len(skipped) > 1 else "", ", ".join(str(p) for p, _ in skipped))
+        state.skipped = skipped
+        return state
+    raise StateUnreadable(f"no intact training state under {root}: "
+                          + "; ".join(f"{p.name}: {why}" for p, why in skipped))
+
+
+def _read_state(path: Path) -> TrainingState:
+    meta = json.loads((path / META).read_text())
+    if meta.get("files"):  # states saved before checksums were recorded are read unchecked
+        verify_files(path, meta["files"], what="training state")
+    verify_checkpoint(path / POLICY)
     payload = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
     if payload.get("format") != FORMAT:
         raise ValueError(f"{path / TRAINER}: unknown checkpoint format {payload.get('format')!r} (expected {FORMAT})")
@@ -314,7 +368,7 @@ def load_training_state(dir: str | os.PathLike) -> TrainingState:
         path=path, step=payload["step"], policy_version=payload["policy_version"], data_cursor=payload["data_cursor"],
         optimizer=payload.get("optimizer"), critic=payload.get("critic"),
         critic_optimizer=payload.get("critic_optimizer"), rng=payload.get("rng", {}), extra=payload["extra"],
-        ranks=int(payload.get("ranks", 0)), layout=payload.get("layout"),
+        ranks=int(payload.get("ranks", 0)), layout=payload.get("layout"), verified=True,
     )
 
 
@@ -341,7 +395,7 @@ def restore(
     sharded = backend is not None and getattr(backend, "sharded_state", False)
     if state.ranks or sharded:
         state = _own_part(state, backend if sharded else None)
-    saved = load_checkpoint(state.policy_path)
+    saved = load_checkpoint(state.policy_path, verify=not state.verified)  # (read_state verified it just now)
     if saved.config.model_copy(update={"dtype": policy.config.dtype}) != policy.config:  # dtype: see save
         raise ValueError(f"{state.policy_path}: the checkpoint's model config differs from the policy's")
     with torch.no_grad():

@@ -78,6 +78,7 @@ def test_fp8_block_scaled_weights_are_dequantised(cfg_factory, tmp_path):
             tensors[k], tensors[k + "_scale_inv"] = q, s
             want[k] = dequantize_fp8(q, s, (16, 16))
     save_file(tensors, path)
+    (tmp_path / "ck" / "temper.json").unlink()  # an FP8 release from the hub: no checksums of temper's to verify
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
@@ -131,3 +132,46 @@ def test_failed_save_leaves_previous_checkpoint_intact(cfg_factory, tmp_path, mo
     assert read_checkpoint_meta(tmp_path / "ck")["policy_version"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp dirs left behind
     load_checkpoint(tmp_path / "ck")
+
+
+def _flip(path, at=-1):
+    """One bit of one byte of `path` flipped (at the end: tensor data, so the header still parses)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_refused_naming_the_file(cfg_factory, tmp_path):
+    """The checksums temper.json records at save are verified on load: one flipped bit in the tensor data (which
+    safetensors itself reads without complaint) is refused, naming the file; sharded, naming the shard."""
+    from model.checkpoint import ChecksumError, verify_checkpoint
+
+    m = _model(cfg_factory)
+    save_checkpoint(m, tmp_path / "ck")
+    meta = read_checkpoint_meta(tmp_path / "ck")
+    assert set(meta["files"]) == {"model.safetensors"} and verify_checkpoint(tmp_path / "ck")["checked"]
+    _flip(tmp_path / "ck" / "model.safetensors")
+    with safe_open(tmp_path / "ck" / "model.safetensors", "pt") as f:  # the corruption is silent to safetensors
+        assert len(list(f.keys())) > 0
+    with pytest.raises(ChecksumError, match=f"{tmp_path / 'ck' / 'model.safetensors'}: its bytes do not match"):
+        load_checkpoint(tmp_path / "ck")
+    # sharded: the damaged shard is the one named
+    save_checkpoint(m, tmp_path / "sh", max_shard_bytes=200_000)
+    shards = sorted(read_checkpoint_meta(tmp_path / "sh")["files"])
+    assert len(shards) > 3
+    load_checkpoint(tmp_path / "sh")
+    _flip(tmp_path / "sh" / shards[2], at=-5)
+    with pytest.raises(ChecksumError, match=f"{tmp_path / 'sh' / shards[2]}: its bytes"):
+        load_checkpoint(tmp_path / "sh")
+    # a checkpoint saved before per-file sums (only the whole checkpoint's checksum) is verified too
+    save_checkpoint(m, tmp_path / "old")
+    meta = read_checkpoint_meta(tmp_path / "old")
+    (tmp_path / "old" / "temper.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    load_checkpoint(tmp_path / "old")
+    _flip(tmp_path / "old" / "model.safetensors", at=-9)
+    with pytest.raises(ChecksumError, match="model.safetensors: the weights do not match the checksum"):
+        load_checkpoint(tmp_path / "old")
+    # one imported from the hub (no temper.json) has nothing to verify: it loads
+    (tmp_path / "old" / "temper.json").unlink()
+    assert not verify_checkpoint(tmp_path / "old")["checked"]
+    load_checkpoint(tmp_path / "old")

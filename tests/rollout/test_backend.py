@@ -124,3 +124,56 @@ def test_server_teacher_pool_scores_like_the_teachers_themselves(micro_model, tm
             first = pool.loads
             pool.score_batches(batches)
             assert first == 2 and pool.loads == (2 if len(servers) == 2 else 3)
+
+
+def test_server_teacher_pool_refuses_scores_from_the_wrong_weights(micro_model, tmp_path):
+    """A teacher server that no longer serves its teacher (restarted on another checkpoint) is caught by the version
+    its reply carries: the scores are refused, naming the server, and the next call loads the teacher again."""
+    from model import save_checkpoint
+    from rollout.backend import ServerTeacherPool
+    from rollout.types import Segment, Trajectory
+    from trainers.sao import layout, token_logprobs
+
+    teacher = _perturbed(micro_model, 6)
+    save_checkpoint(teacher, tmp_path / "math")
+    save_checkpoint(micro_model, tmp_path / "other", policy_version=0)
+    toks = list(range(3, 20))
+    rows = layout([Trajectory("t", "e", "f", "math", "h", "v", 0, [Segment(toks, [True] * 17, [0.0] * 17, [0] * 17)])])
+    with embedded_servers(micro_model.config, n=1, n_slots=2, max_len=128) as urls:
+        pool = ServerTeacherPool({"math": tmp_path / "math"}, urls)
+        ref = token_logprobs(teacher.eval(), rows.ids)[0]
+        torch.testing.assert_close(pool.score_batches([("math", rows)])[0], ref, rtol=0, atol=2e-5)
+        httpx.post(urls[0] + "/update_weights_from_disk", json={"model_path": str(tmp_path / "other")}, timeout=60)
+        with pytest.raises(WeightSyncError, match=rf"{urls[0]}: scored with weight version 0, not teacher 'math'"):
+            pool.score_batches([("math", rows)])
+        torch.testing.assert_close(pool.score_batches([("math", rows)])[0], ref, rtol=0, atol=2e-5)
+        assert pool.loads == 2
+
+
+def test_a_session_admits_a_worker_only_on_the_current_version_and_checksum(micro_model, tmp_path):
+    """A worker left serving another policy is not taken for current: the session's router loads the current one into
+    it before it gets work, and every reply is stamped with it. Another policy under a higher version number (a later
+    stage's: evaluation numbers each policy it loads from 1 again, without a checksum), and another policy under the
+    same version number (caught by the checksum)."""
+    from model import save_checkpoint
+
+    save_checkpoint(micro_model, tmp_path / "policy", policy_version=1)
+    save_checkpoint(_perturbed(micro_model, 9), tmp_path / "other", policy_version=7)
+    with embedded_servers(micro_model.config, n=2, n_slots=4, max_len=256) as urls:
+        for checksum, squatter in ((None, None), (weights_checksum(micro_model), 1)):
+            b = ServerBackend(urls, tmp_path / "sync")
+            assert b.load(tmp_path / "policy", 1, checksum)["workers"] == 2
+            httpx.post(urls[0] + "/update_weights_from_disk", timeout=60,
+                       json={"model_path": str(tmp_path / "other"), "weight_version": squatter})
+
+            async def go(b=b):
+                async with b.session() as policy:
+                    infos = [httpx.get(u + "/get_model_info").json() for u in urls]  # admitted by now
+                    outs = await asyncio.gather(*(policy.generate(PROMPT + [i], {"max_new_tokens": 3})
+                                                  for i in range(8)))
+                    return infos, outs
+
+            infos, outs = asyncio.run(go())
+            assert [i["weight_version"] for i in infos] == ["1", "1"], checksum
+            assert {i["weights_checksum"] for i in infos} == {weights_checksum(micro_model)}, checksum
+            assert all(set(o["meta_info"]["output_token_versions"]) == {1} for o in outs)

@@ -293,3 +293,33 @@ def test_input_logprobs_stay_aligned_under_prefix_reuse_flush_and_weight_updates
     [t4] = _run(eng, [GenRequest(turn4, _greedy(2), session_id="s", return_logprob=True)])
     assert t4.reused == 0
     _close(t4.input_logprobs, _ref_input_logprobs(other, turn4))
+
+
+def test_a_weight_update_invalidates_the_rows_of_a_running_session(micro_model):
+    """An update without a flush lands while a session's turn is decoding: the turn goes on with its context
+    re-prefilled under the new weights, so its later tokens and the session's next turn (which reuses the slot's
+    rows) have the log-probs a fresh engine on the new weights computes, never the old rows' (once off by 0.2)."""
+    from model import Transformer
+
+    m = Transformer(micro_model.config)
+    m.load_state_dict(micro_model.state_dict())
+    torch.manual_seed(11)
+    other = Transformer(micro_model.config).eval()
+    eng = Engine(m, n_slots=2, max_len=96, chunk_size=8, start=False)
+    r1 = eng.submit(GenRequest(PROMPTS[2], _greedy(10), session_id="s", return_logprob=True))
+    while len(r1.output_ids) < 4:
+        eng.step()
+    eng.update_weights(state_dict=other.state_dict(), version=1)  # no flush_cache
+    while not r1.future.done():
+        eng.step()
+    k = r1.output_versions.count(0)
+    assert k >= 4 and r1.output_versions == [0] * k + [1] * (10 - k)
+    # after the update: what the new weights generate from the context as it stood
+    assert r1.output_ids[k:] == full_forward_greedy(other, PROMPTS[2] + r1.output_ids[:k], 10 - k)
+    turn2 = r1.input_ids + r1.output_ids + [3, 4, 5]
+    [t2] = _run(eng, [GenRequest(turn2, _greedy(6), session_id="s", return_logprob=True)])
+    fresh = Engine(other, n_slots=2, max_len=96, chunk_size=8, start=False)
+    [ref] = _run(fresh, [GenRequest(turn2, _greedy(6), return_logprob=True, logprob_start_len=0)])
+    assert t2.reused > 0 and t2.output_ids == ref.output_ids == full_forward_greedy(other, turn2, 6)
+    _close(t2.output_logprobs, ref.output_logprobs)
+    _close(t2.input_logprobs, _ref_input_logprobs(other, turn2), start=t2.reused + 1)

@@ -150,3 +150,79 @@ def test_real_sglang_router_in_front_of_two_embedded_servers(two_servers):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_stale_reply_is_refused_and_its_worker_reloaded_before_it_serves_again(micro_server, micro_model, tmp_path):
+    """A worker on the v0 checkpoint when the router starts is given v5 (`on_rejoin`) before it is admitted. Then it is
+    put back on v0 (as a server restarted from an older checkpoint between two health polls is; the polls here are an
+    hour apart): its v0 replies are refused and retried on the other worker, it is taken out and given v5 again, and
+    every reply the caller gets was computed by v5: the tokens v5's own forward picks, stamped 5."""
+    import copy
+
+    import torch
+
+    from model import save_checkpoint
+    from rollout.client import EngineClient
+
+    def full_forward_greedy(model, prompt, n):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    v5 = copy.deepcopy(micro_model)
+    with torch.no_grad():
+        for p in v5.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_checkpoint(micro_model, tmp_path / "v0", policy_version=0)
+    save_checkpoint(v5, tmp_path / "v5", policy_version=5)
+    loads = []
+
+    async def rejoin(client):
+        loads.append(client.url)
+        assert (await client.update_weights_from_disk(str(tmp_path / "v5"), weight_version=5))["success"]
+
+    async def main(a, b, ea):
+        for s, v in ((a, 0), (b, 5)):
+            c = EngineClient(s.url)
+            await c.update_weights_from_disk(str(tmp_path / f"v{v}"), weight_version=v)
+            await c.aclose()
+        async with Router([a.url, b.url], health_interval=3600, on_rejoin=rejoin, expect=lambda: (5, None)) as router:
+            assert loads == [a.url] and ea.version == 5  # admitted at start only once it serves v5
+            c = EngineClient(a.url)
+            assert (await c.update_weights_from_disk(str(tmp_path / "v0"), weight_version=0))["success"]
+            await c.aclose()
+            sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+            outs = await asyncio.gather(*(router.generate([1, 2, 3 + i % 4], sp) for i in range(16)))
+            return outs, router.stats()
+
+    with micro_server(16) as (a, ea), micro_server(16) as (b, _):
+        outs, stats = asyncio.run(main(a, b, ea))
+        assert ea.version == 5
+    assert all(o["meta_info"]["output_token_versions"] == [5] * 4 for o in outs)
+    for i, o in enumerate(outs):
+        assert o["output_ids"] == full_forward_greedy(v5, [1, 2, 3 + i % 4], 4)
+    sa = next(s for s in stats if s["url"] == a.url)
+    assert sa["stale"] >= 1 and loads == [a.url, a.url] and sa["healthy"]
+
+
+def test_behind_an_external_router_replies_from_older_weights_are_refused(micro_server):
+    """Behind sglang-router the worker is not ours to pick: a reply older than the pushed version is sent again, and
+    refused with StaleReply once the retries are spent; a current one passes."""
+    from rollout.client import EngineClient
+    from rollout.router import CheckedClient, StaleReply
+
+    async def go(url, want):
+        c = CheckedClient(EngineClient(url), lambda: (want, None), retries=1)
+        try:
+            return await c.generate([1, 2], {"max_new_tokens": 2, "ignore_eos": True}), c.stale
+        finally:
+            await c.aclose()
+
+    with micro_server(8) as (srv, eng):
+        eng.version = 3
+        out, stale = asyncio.run(go(srv.url, 3))
+        assert out["meta_info"]["output_token_versions"] == [3, 3] and stale == 0
+        with pytest.raises(StaleReply, match="2 replies came from weights older than policy v4"):
+            asyncio.run(go(srv.url, 4))

@@ -79,6 +79,12 @@ def test_a_sharded_state_resumes_bit_for_bit_on_its_layout(tmp_path, tp, ep, zer
     [(step, path)] = complete_checkpoints(tmp_path / "state")
     meta = json.loads((path / "meta.json").read_text())
     assert step == 1 and meta["ranks"] == 2
+    assert sorted(meta["files"]) == [rank_file(0), rank_file(1), "trainer.pt"]  # every rank file's checksum recorded
+    good = (path / rank_file(1)).read_bytes()
+    (path / rank_file(1)).write_bytes(good[:-10] + bytes([good[-10] ^ 1]) + good[-9:])
+    with pytest.raises(RuntimeError, match=f"{rank_file(1)}: its bytes do not match"):  # StateUnreadable: the only state
+        load_training_state(tmp_path / "state")
+    (path / rank_file(1)).write_bytes(good)
     state = load_training_state(tmp_path / "state")
     assert state.ranks == 2 and state.layout == ranks[0]["layout"] and state.layout["tp"] == tp
     assert state.optimizer is None  # the optimizers live in the rank files only

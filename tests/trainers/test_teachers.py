@@ -195,3 +195,24 @@ def test_unknown_domain_and_load_errors(teachers, tmp_path):
         TeacherPool(paths, max_resident=0)
     with pytest.raises(RuntimeError, match="closed"):
         pool.get("code")
+
+
+def test_a_corrupt_teacher_is_refused_naming_the_file(teachers, tmp_path):
+    """OPD's teachers are read with their checksums verified: one flipped byte in a teacher's weights is refused
+    (in the background prefetch too, surfacing at `get`), naming the file; the other teachers serve on."""
+    import shutil
+
+    from model.checkpoint import ChecksumError
+
+    paths, refs = teachers
+    bad = tmp_path / "math"
+    shutil.copytree(paths["math"], bad)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-2] ^= 0x01
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    with TeacherPool({"code": paths["code"], "math": bad}) as pool:
+        pool.prefetch("math")
+        with pytest.raises(ChecksumError, match=f"{bad / 'model.safetensors'}: its bytes do not match"):
+            pool.get("math")
+        ids = _ids()
+        torch.testing.assert_close(_logprobs(pool.get("code"), ids), _logprobs(refs["code"], ids), rtol=0, atol=0)

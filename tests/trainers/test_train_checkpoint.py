@@ -265,3 +265,50 @@ def test_nothing_to_resume_is_a_clear_error(tmp_path):
     (tmp_path / "empty" / ".step-00000005.x.tmp").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'empty'} holds no complete checkpoint"):
         load_training_state(tmp_path / "empty")
+
+
+def test_resume_falls_back_to_the_newest_intact_state_loudly(tmp_path, caplog):
+    """A truncated newest trainer.pt, or one flipped byte in a newer state's policy, is skipped with a warning naming
+    the state (never a raw unpickling error), and the newest intact state is resumed; the restored weights are that
+    state's. With no intact state, the error names every one and why."""
+    import logging
+
+    from model.checkpoint import ChecksumError
+    from trainers.checkpoint import StateUnreadable
+
+    model, trainer = _trainer()
+    weights = {}
+    for step in (1, 2, 3):
+        _train(trainer, 1, seed=step)
+        _save(tmp_path, model, trainer, step)
+        weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    newest, middle = tmp_path / "step-00000003", tmp_path / "step-00000002"
+    pt = newest / "trainer.pt"
+    pt.write_bytes(pt.read_bytes()[: pt.stat().st_size // 2])  # truncated (a full disk, a killed copy)
+    data = bytearray((middle / "policy" / "model.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (middle / "policy" / "model.safetensors").write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="trainers.checkpoint"):
+        state = load_training_state(tmp_path)
+    assert state.step == 1 and state.path == tmp_path / "step-00000001"
+    assert [p for p, _ in state.skipped] == [newest, middle]
+    assert "ChecksumError" in state.skipped[0][1] and "trainer.pt" in state.skipped[0][1]
+    assert "ChecksumError" in state.skipped[1][1] and "model.safetensors" in state.skipped[1][1]
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"training state {newest} is damaged and skipped" in logged and str(middle) in logged
+    model2, trainer2 = _trainer(seed=5)
+    restore(state, model2, trainer2.opt)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, weights[1][k]), k
+    # a state saved before checksums were recorded: the truncated pickle itself is caught, and skipped the same way
+    meta = json.loads((tmp_path / "step-00000001" / "meta.json").read_text())
+    (tmp_path / "step-00000001" / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    pt1 = tmp_path / "step-00000001" / "trainer.pt"
+    pt1.write_bytes(pt1.read_bytes()[:100])
+    with pytest.raises(StateUnreadable, match=r"step-00000003: ChecksumError.*step-00000002: ChecksumError.*"
+                                               r"step-00000001: (RuntimeError|EOFError|UnpicklingError)"):
+        load_training_state(tmp_path)
+    # the policy is verified where the state is restored too, when it was not just verified
+    state.verified = False
+    with pytest.raises(ChecksumError, match="model.safetensors"):
+        restore(state.__class__(**{**state.__dict__, "path": middle}), model2, trainer2.opt)

@@ -1,0 +1,73 @@
+"""The engine's request and statistics records (split out of rollout/engine.py; the engine re-exports them)."""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenRequest:
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_id: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    stream: bool = False
+    # runtime state
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish: dict | None = None
+    scored_version: int | None = None  # a pure-scoring request: the weight version that scored it
+    finish_version: int | None = None  # the weight version when it finished: what computed its last rows
+    slot: int = -1
+    cached: int = 0  # leading tokens of context() whose cache rows are in the slot
+    reused: int = 0  # of those, how many came from the session's earlier turns
+    future: Future = field(default_factory=Future)
+    chunks: queue.Queue | None = None
+    gen: torch.Generator | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    spec_verify: int = 0
+    spec_accepted: int = 0
+
+    def context(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+def is_scoring(r: GenRequest) -> bool:
+    """A request that only scores its input: no new tokens, log-probs of every input token."""
+    return r.params.max_new_tokens == 0 and r.return_logprob and r.logprob_start_len == 0 and not r.stream
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    spec_verifies: int = 0
+    spec_emitted: int = 0
+    weight_updates: int = 0
+    aborted: int = 0  # requests ended by an abort (a client's, a disconnect, abort_all)
+    cuda_graphs: str = "off"  # "on", or "fallback: <why>" when the decode forward could not be captured
+    graph_replays: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return self.spec_emitted / self.spec_verifies if self.spec_verifies else 0.0
+
+    @property
+    def prefix_reuse(self) -> float:
+        """Share of prompt tokens whose cache rows came from the session's earlier turns."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

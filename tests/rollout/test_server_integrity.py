@@ -1,0 +1,102 @@
+"""Nothing silently wrong at the server: a batch is all or nothing, the inputs that were 5xx are 4xx with a reason,
+and `/health_generate` answers while paused; a corrupt checkpoint is refused naming its file."""
+
+import httpx
+import pytest
+import torch
+
+from model import Transformer, save_checkpoint, weights_checksum
+
+SP = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture
+def server(micro_server):
+    with micro_server(max_queue=6) as srv_eng:
+        yield srv_eng
+
+
+def _http(srv):
+    return httpx.Client(base_url=srv.url, timeout=60)
+
+
+def test_a_batch_is_validated_whole_before_any_prompt_starts(server):
+    """One bad prompt among good ones: 400 naming it, and nothing of the batch was queued (the engine is paused so a
+    prompt that had been queued would still be there to see); a batch the queue has no room for: 503, none queued."""
+    srv, eng = server
+    with _http(srv) as c:
+        eng.pause()
+        try:
+            r = c.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5], [6, 10**6]], "sampling_params": SP})
+            assert r.status_code == 400 and eng.load()["waiting"] == 0 and eng.load()["running"] == 0
+            assert "batch[2]: token ids out of range" in r.json()["error"]["message"]
+            r = c.post("/generate", json={"text": ["ab", "cd", ""], "sampling_params": SP})
+            assert r.status_code == 400 and "batch[2]: input_ids is empty" in r.json()["error"]["message"]
+            r = c.post("/generate", json={"input_ids": [[1, 2]] * 7, "sampling_params": SP})  # room for 6
+            assert r.status_code == 503 and "7 requests do not fit" in r.json()["error"]["message"]
+            assert eng.load()["waiting"] == 0
+        finally:
+            eng.resume()
+        r = c.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": SP})
+        assert r.status_code == 200 and [len(x["output_ids"]) for x in r.json()] == [40, 40]
+
+
+def test_the_former_5xx_are_4xx_with_a_reason(server):
+    srv, eng = server
+    v = eng.version
+    with _http(srv) as c:
+        r = c.post("/generate", json={"text": []})
+        assert r.status_code == 400 and "empty list" in r.json()["error"]["message"]
+        for raw in (b'{"new_version": 1e999}', b'{"new_version": 1.5}', b'{"new_version": true}',
+                    b'{"new_version": -1}', b'{"new_version": 9223372036854775808}', b'{"new_version": "1e3"}'):
+            r = c.post("/update_weight_version", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "new_version must be an integer" in r.json()["error"]["message"], raw
+        assert eng.version == v
+        r = c.post("/update_weight_version", json={"new_version": "12"})
+        assert r.status_code == 200 and eng.version == 12
+
+
+def test_health_generate_answers_while_paused(server):
+    srv, eng = server
+    with _http(srv) as c:
+        assert c.get("/health_generate").json()["status"] == "ok"
+        eng.pause()
+        try:
+            r = c.get("/health_generate")  # (it once waited for /continue_generation: the client's timeout ended it)
+            assert r.status_code == 200 and r.json()["status"] == "paused" and r.json()["paused"] is True
+        finally:
+            eng.resume()
+        assert c.get("/health_generate").json() == {"status": "ok", "paused": False, "tokens": 1}
+        assert eng.load()["waiting"] == eng.load()["running"] == 0  # the probe left nothing behind
+
+
+def test_a_flipped_byte_is_refused_by_update_weights_from_disk_naming_the_file(server, tmp_path):
+    srv, eng = server
+    torch.manual_seed(3)
+    new = Transformer(eng.cfg)
+    save_checkpoint(new, tmp_path / "ck", policy_version=7)
+    path = tmp_path / "ck" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x04
+    path.write_bytes(bytes(data))
+    before, version = weights_checksum(eng.model), eng.version
+    with _http(srv) as c:
+        r = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "ck"), "weight_version": 7})
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert f"ChecksumError: {path}: its bytes do not match" in r.json()["message"]
+        assert eng.version == version and weights_checksum(eng.model) == before  # the old weights serve on
+        data[-1] ^= 0x04
+        path.write_bytes(bytes(data))  # repaired: loads
+        r = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "ck"), "weight_version": 7})
+        assert r.status_code == 200 and eng.version == 7 and weights_checksum(eng.model) == weights_checksum(new)
+
+
+
+def test_openai_replies_carry_their_weight_version(server):
+    srv, eng = server
+    eng.update_weights(state_dict=eng.model.state_dict(), version=31)
+    with _http(srv) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["weight_version"] == "31"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["weight_version"] == "31"
