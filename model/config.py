@@ -41,9 +41,50 @@ _HF_FIXED: dict[str, Any] = {
     "hidden_act": "silu", "topk_method": "noaux_tc", "rope_interleave": True, "mlp_bias": False, "moe_layer_freq": 1,
     "index_share_for_mtp_iteration": False,
 }
-_TEMPER_KEYS = frozenset({"use_dsa", "indexer_rope_interleave", "mtp_draft_steps", "index_score_relu", "mtp_input"})
+_TEMPER_KEYS = frozenset({"use_dsa", "indexer_rope_interleave", "mtp_draft_steps", "index_score_relu", "mtp_input",
+                          "indexer_fp8"})
 # HF's default `index_skip_topk_offset` when only `index_topk_freq` is given (transformers GlmMoeDsaConfig, SGLang).
 _HF_DEFAULT_SKIP_OFFSET = 2
+
+# What a config.json that leaves a key out means: transformers' class defaults (GlmMoeDsaConfig / DeepseekV32Config,
+# which SGLang and vLLM read too), per model_type, for every key `from_hf_dict` reads that those classes define
+# (tests/model/test_hf_import.py compares each entry with the classes). `rope_theta` is `rope_parameters.rope_theta`.
+_HF_SHARED_DEFAULTS: dict[str, Any] = {
+    "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "initializer_range": 0.02, "pad_token_id": None, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "attention_bias": False, "index_topk": 2048, "index_head_dim": 128, "first_k_dense_replace": 3, "rope_theta": 10000.0,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm_moe_dsa": {**_HF_SHARED_DEFAULTS, "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+                    "num_hidden_layers": 78, "num_attention_heads": 64, "q_lora_rank": 2048, "v_head_dim": 256,
+                    "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "max_position_embeddings": 202752,
+                    "rms_norm_eps": 1e-5, "index_n_heads": 32},
+    "deepseek_v32": {**_HF_SHARED_DEFAULTS, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                     "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536, "v_head_dim": 128,
+                     "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "max_position_embeddings": 163840,
+                     "rms_norm_eps": 1e-6, "index_n_heads": 64},
+}
+# ... and for keys those classes do not define, what transformers' modeling does without them: sigmoid routing
+# scores, no MTP layer (it builds none), every layer running its own indexer (no IndexShare keys: freq 1)
+_HF_MODELING_DEFAULTS: dict[str, Any] = {"scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
+# the keys of `rope_parameters` / `rope_scaling` temper implements, by rope type (transformers' validation lists the
+# same ones: `_validate_default_rope_parameters`, `_validate_yarn_rope_parameters`); `type` is the legacy name of
+# `rope_type`, `partial_rotary_factor` is accepted at 1.0 only
+_ROPE_KEYS = {
+    "default": frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"}),
+    "yarn": frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
+                       "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "truncate"}),
+}
+
+
+def _rope_dicts(d: dict[str, Any]) -> list[tuple[str, dict]]:
+    return [(k, d[k]) for k in ("rope_parameters", "rope_scaling") if isinstance(d.get(k), dict)]
+
+
+def _rope_type(r: dict) -> str:
+    return r.get("rope_type", r.get("type")) or "default"
 
 
 class YarnConfig(BaseModel):
@@ -57,6 +98,10 @@ class YarnConfig(BaseModel):
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # HF semantics (transformers' `_compute_yarn_parameters`): the cos/sin scale; None: inferred from factor, mscale
+    # and mscale_all_dim. `truncate`: round the correction range to whole dimensions (floor / ceil)
+    attention_factor: float | None = Field(default=None, gt=0)
+    truncate: bool = True
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -161,11 +206,15 @@ class ModelConfig(BaseModel):
     # the indexer score's convention: Σ_j w_j·ReLU(q_j·k) (True: transformers' GLM-5 and DeepSeek-V3.2, temper's
     # default) or Σ_j w_j·(q_j·k) (False: Megatron's `dsa_indexer_scoring_relu=False`, its GLM-5 setting)
     index_score_relu: bool = True
+    # the indexer's top-k from FP8 e4m3 queries and keys (per-token / per-head scales; GLM-5 and DeepSeek-V3.2 select
+    # this way): e4m3 tensor cores on a GPU, its quantise-dequantise twin elsewhere (temper_kernels/indexer.py)
+    indexer_fp8: bool = False
     # MTP
     num_nextn_predict_layers: int = Field(default=1, ge=0)
     mtp_draft_steps: int = Field(default=1, ge=1)
     # which hidden state the first MTP layer reads: the last layer's output before the final norm ("pre_norm": temper's
-    # convention) or after it ("post_norm": Megatron's GPTModel, which feeds MTP the decoder's normed output)
+    # convention) or after it ("post_norm": GLM-5's and DeepSeek-V3's, as Megatron's GPTModel, vLLM and SGLang feed it;
+    # what `from_hf_dict` gives a checkpoint that does not carry temper's block)
     mtp_input: Literal["pre_norm", "post_norm"] = "pre_norm"
     # misc
     rms_norm_eps: float = Field(default=1e-5, gt=0)
@@ -241,7 +290,7 @@ class ModelConfig(BaseModel):
         arch = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
-            rope.update(rope_type="yarn", **self.rope_scaling.model_dump())
+            rope.update(rope_type="yarn", **self.rope_scaling.model_dump(exclude_none=True))
         n_dense = self.first_k_dense_replace
         d: dict[str, Any] = {
             "architectures": [arch[self.model_type]],
@@ -290,6 +339,7 @@ class ModelConfig(BaseModel):
                 "indexer_rope_interleave": self.indexer_rope_interleave,
                 "mtp_draft_steps": self.mtp_draft_steps,
                 "index_score_relu": self.index_score_relu,
+                "indexer_fp8": self.indexer_fp8,
                 "mtp_input": self.mtp_input,
             },
         }
@@ -312,16 +362,45 @@ class ModelConfig(BaseModel):
 
     @staticmethod
     def hf_unknown_keys(d: dict[str, Any]) -> list[str]:
-        """Keys of an HF config dict that `from_hf_dict` does not understand (`temper.<key>` for the temper block),
-        including keys it accepts only at one value (`rope_interleave`, ...) when they hold another."""
+        """Keys of an HF config dict that `from_hf_dict` does not understand (`temper.<key>` for the temper block,
+        `rope_parameters.<key>` / `rope_scaling.<key>` inside the rotary settings), including keys it accepts only at
+        one value (`rope_interleave`, ...) when they hold another."""
         unknown = [k for k in d if k not in _HF_READ | _HF_IGNORED and (k not in _HF_FIXED or d[k] != _HF_FIXED[k])]
         unknown += [f"temper.{k}" for k in d.get("temper") or {} if k not in _TEMPER_KEYS]
+        for name, r in _rope_dicts(d):
+            known = _ROPE_KEYS.get(_rope_type(r), _ROPE_KEYS["default"])
+            unknown += [f"{name}.{k}" for k in r if k not in known
+                        or (k == "partial_rotary_factor" and r[k] not in (None, 1, 1.0))]
         return sorted(unknown)
+
+    @staticmethod
+    def _hf_yarn(d: dict[str, Any]) -> YarnConfig | None:
+        """The YaRN settings of `rope_parameters` (or the legacy `rope_scaling`), read as transformers reads them."""
+        for name, r in _rope_dicts(d):
+            if _rope_type(r) not in _ROPE_KEYS:
+                raise ValueError(f"{name}.rope_type: {_rope_type(r)!r} is not supported (temper implements "
+                                 f"{', '.join(_ROPE_KEYS)})")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or (rope if _rope_type(rope) == "yarn" else None)
+        if not scaling or _rope_type(scaling) != "yarn":
+            return None
+        orig = scaling.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+        factor = scaling.get("factor")
+        if factor is None and orig:  # transformers: the ratio of the context lengths
+            factor = d.get("max_position_embeddings", orig) / orig
+        # mscale absent (or 0): transformers takes the cos/sin scale from the factor alone, not the mscale ratio; 0 keeps
+        # that reading (`layers.rope_inv_freq` takes the ratio only when both are set, as transformers does)
+        return YarnConfig(factor=factor, original_max_position_embeddings=orig,
+                          beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
+                          mscale=scaling.get("mscale") or 0.0, mscale_all_dim=scaling.get("mscale_all_dim") or 0.0,
+                          attention_factor=scaling.get("attention_factor"), truncate=scaling.get("truncate", True))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], strict: bool = False) -> ModelConfig:
         """Build from a `config.json` dict. Keys it does not understand (`hf_unknown_keys`) are logged as a
-        warning, or raise a ValueError naming them if `strict`."""
+        warning, or raise a ValueError naming them if `strict`. A key left out takes transformers' default for the
+        model type (`HF_DEFAULTS`). A checkpoint without temper's block (one from the hub, Megatron or another tool)
+        feeds its MTP layer the post-norm state, as GLM-5, DeepSeek-V3, Megatron, vLLM and SGLang do."""
         mt = d.get("model_type")
         if mt not in ("glm_moe_dsa", "deepseek_v32"):
             raise ValueError(f"model_type: {mt!r} is not supported (expected 'glm_moe_dsa' or 'deepseek_v32')")
@@ -330,68 +409,80 @@ class ModelConfig(BaseModel):
             if strict:
                 raise ValueError(msg)
             logger.warning("%s (ignored)", msg)
-        q_lora = d.get("q_lora_rank")
+        hf = {**HF_DEFAULTS[mt], **_HF_MODELING_DEFAULTS}
+
+        def get(key: str, nullable: bool = False) -> Any:
+            """`d[key]`; transformers' default where the key is absent (or null, for a key that cannot be null)."""
+            v = d.get(key, hf[key])
+            return hf[key] if v is None and not nullable else v
+
         rope = d.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type") == "yarn" else None)
-        yarn = None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
-            yarn = YarnConfig(
-                factor=scaling["factor"],
-                original_max_position_embeddings=scaling["original_max_position_embeddings"],
-                beta_fast=scaling.get("beta_fast") or 32.0,
-                beta_slow=scaling.get("beta_slow") or 1.0,
-                mscale=scaling.get("mscale") or 1.0,
-                mscale_all_dim=scaling.get("mscale_all_dim") or 0.0,
-            )
-        t = d.get("temper") or {}
-        eos = d.get("eos_token_id")
+        theta = rope.get("rope_theta", d.get("rope_theta", hf["rope_theta"]))
+        yarn = cls._hf_yarn(d)
+        temper_block = d.get("temper")
+        t = temper_block or {}
+        eos = get("eos_token_id", nullable=True)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-        indexshare = _hf_indexshare(d, d["num_hidden_layers"])
+        n_layers = get("num_hidden_layers")
+        indexshare = _hf_indexshare(d, n_layers)
         interleave = t.get("indexer_rope_interleave", d.get("indexer_rope_interleave"))
+        # temper's own checkpoints name their MTP convention; one without the block is someone else's: post-norm
+        mtp_input = t.get("mtp_input", "pre_norm" if temper_block is not None else "post_norm")
         return cls(
             model_type=mt,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            first_k_dense_replace=d.get("first_k_dense_replace", 0),
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=d["num_attention_heads"],
-            q_lora_rank=q_lora,
-            kv_lora_rank=d["kv_lora_rank"],
-            qk_nope_head_dim=d["qk_nope_head_dim"],
-            qk_rope_head_dim=d["qk_rope_head_dim"],
-            v_head_dim=d["v_head_dim"],
-            attention_bias=d.get("attention_bias", False),
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            num_hidden_layers=n_layers,
+            first_k_dense_replace=get("first_k_dense_replace"),
+            intermediate_size=get("intermediate_size"),
+            num_attention_heads=get("num_attention_heads"),
+            q_lora_rank=get("q_lora_rank", nullable=True),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_nope_head_dim=get("qk_nope_head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"),
+            v_head_dim=get("v_head_dim"),
+            attention_bias=get("attention_bias"),
             rope_theta=theta,
             rope_scaling=yarn,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            n_routed_experts=d["n_routed_experts"],
-            n_shared_experts=d.get("n_shared_experts", 1) or 0,
-            num_experts_per_tok=d["num_experts_per_tok"],
-            moe_intermediate_size=d["moe_intermediate_size"],
-            n_group=d.get("n_group", 1) or 1,
-            topk_group=d.get("topk_group", 1) or 1,
-            routed_scaling_factor=d.get("routed_scaling_factor", 1.0),
-            scoring_func=d.get("scoring_func", "sigmoid"),
-            norm_topk_prob=d.get("norm_topk_prob", True),
+            max_position_embeddings=get("max_position_embeddings"),
+            n_routed_experts=get("n_routed_experts"),
+            n_shared_experts=d.get("n_shared_experts", hf["n_shared_experts"]) or 0,
+            num_experts_per_tok=get("num_experts_per_tok"),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            n_group=get("n_group"),
+            topk_group=get("topk_group"),
+            routed_scaling_factor=get("routed_scaling_factor"),
+            scoring_func=get("scoring_func"),
+            norm_topk_prob=get("norm_topk_prob"),
             use_dsa=t.get("use_dsa", True),
-            index_n_heads=d.get("index_n_heads", 64),
-            index_head_dim=d.get("index_head_dim", 128),
-            index_topk=d.get("index_topk", 2048),
+            index_n_heads=get("index_n_heads"),
+            index_head_dim=get("index_head_dim"),
+            index_topk=get("index_topk"),
             indexer_rope_interleave=interleave,
             **indexshare,
-            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0),
+            num_nextn_predict_layers=get("num_nextn_predict_layers"),
             mtp_draft_steps=t.get("mtp_draft_steps", 1),
             index_score_relu=t.get("index_score_relu", True),
-            mtp_input=t.get("mtp_input", "pre_norm"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            initializer_range=d.get("initializer_range", 0.02),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"),
+            indexer_fp8=t.get("indexer_fp8", False),
+            mtp_input=mtp_input,
+            rms_norm_eps=get("rms_norm_eps"),
+            initializer_range=get("initializer_range"),
+            tie_word_embeddings=get("tie_word_embeddings"),
+            bos_token_id=get("bos_token_id", nullable=True),
             eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
+            pad_token_id=get("pad_token_id", nullable=True),
             dtype="bfloat16" if str(dtype) in ("bfloat16", "torch.bfloat16") else "float32",
         )
+
+    def transformers_caveats(self) -> list[str]:
+        """What transformers would read differently from a checkpoint of this config (empty: nothing). Its
+        DeepseekV32ForCausalLM has no IndexShare: it builds an indexer in every layer and initialises the shared
+        layers' at random (SGLang reads `index_topk_freq` / `index_topk_pattern` and shares as temper does)."""
+        shared = [i for i, t in enumerate(self.layer_indexer_types()) if t == "shared"]
+        if self.model_type == "deepseek_v32" and shared:
+            return [f"transformers' DeepseekV32ForCausalLM ignores IndexShare: it would build indexers for the shared "
+                    f"layers {shared} and initialise them at random (different top-k, different logits); SGLang reads "
+                    "the layout from index_topk_freq / index_topk_pattern"]
+        return []

@@ -84,8 +84,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     def corr_dim(n_rot: float) -> float:
         return dim * math.log(y.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(corr_dim(y.beta_fast)), 0)
-    high = min(math.ceil(corr_dim(y.beta_slow)), dim - 1)
+    low, high = corr_dim(y.beta_fast), corr_dim(y.beta_slow)
+    if y.truncate:  # transformers' default: whole dimensions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -95,7 +97,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     def m(scale: float, ms: float) -> float:
         return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
 
-    if y.mscale and y.mscale_all_dim:
+    if y.attention_factor is not None:  # given: used as is (transformers' semantics)
+        att = y.attention_factor
+    elif y.mscale and y.mscale_all_dim:
         att = m(y.factor, y.mscale) / m(y.factor, y.mscale_all_dim)
     else:
         att = m(y.factor, 1.0)

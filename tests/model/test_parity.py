@@ -51,6 +51,12 @@ CASES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0},
     ),
+    # YaRN with its cos/sin scale given (`attention_factor`, HF semantics): transformers uses it as is
+    "glm_yarn_attention_factor": lambda: _hf_glm(
+        indexer_types=["full", "shared", "full", "shared"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "attention_factor": 0.5,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
     "v32_group_limited": lambda: _hf_v32(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4),
 }
 
@@ -62,7 +68,7 @@ def test_hf_checkpoint_loads_with_equal_logits(case, tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_checkpoint(tmp_path)
     assert ours.config.model_type == hf.config.model_type
-    assert (ours.config.rope_scaling is not None) == (case == "glm_yarn")
+    assert (ours.config.rope_scaling is not None) == case.startswith("glm_yarn")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(2))
     assert ids.shape[1] > COMMON["index_topk"]
     with torch.no_grad():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import configs
-from model import Transformer
+from model import Transformer, YarnConfig
 from model.checkpoint import to_hf_state
 from rollout.types import Segment, Trajectory
 from trainers.config import SAOConfig, TrainConfig
@@ -72,6 +72,12 @@ def ModelConfigCheck(c):
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"n_routed_experts": 16, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 4}, "n_group"),
     ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),
+    ({"rope_scaling": YarnConfig(factor=4.0, original_max_position_embeddings=64, attention_factor=0.5)},
+     "rope_scaling.attention_factor"),
+    ({"rope_scaling": YarnConfig(factor=4.0, original_max_position_embeddings=64, truncate=False)},
+     "rope_scaling.truncate"),
+    ({"rope_scaling": YarnConfig(factor=4.0, original_max_position_embeddings=64, mscale=0.0, mscale_all_dim=1.0)},
+     "rope_scaling.mscale"),
 ])
 def test_mapping_refuses_what_megatron_cannot_express(update, key):
     cfg = ModelConfigCheck(configs.load("tiny").model.model_copy(update=update))
@@ -108,12 +114,19 @@ def test_convert_shard_layout_by_hand():
                        hf["model.layers.0.self_attn.o_proj.weight"][:, H // 2 * cfg.v_head_dim:])
     hi = cfg.index_n_heads // 2 * cfg.index_head_dim
     assert torch.equal(s[a + "indexer.wq_b.weight"], hf["model.layers.0.self_attn.indexer.wq_b.weight"][hi:])
+    # the indexer's head weights: one output row per indexer head, so rank 1 holds the rows of heads 2 and 3
+    assert torch.equal(s[a + "indexer.weights_proj.weight"],
+                       hf["model.layers.0.self_attn.indexer.weights_proj.weight"][cfg.index_n_heads // 2:])
+    assert s[a + "indexer.weights_proj.weight"].shape == (cfg.index_n_heads // 2, cfg.hidden_size)
     assert torch.equal(s[a + "q_a_proj.weight"], hf["model.layers.0.self_attn.q_a_proj.weight"])  # replicated
     # gated MLP: fc1 = [gate half; up half] of this rank, not a plain row split
     i = cfg.intermediate_size // 2
     fc1 = s["decoder.layers.0.mlp.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([hf["model.layers.0.mlp.gate_proj.weight"][i:],
                                        hf["model.layers.0.mlp.up_proj.weight"][i:]]))
+    # ... and the dense fc2 (row parallel): this rank's input columns, the second half of the intermediate dim
+    assert torch.equal(s["decoder.layers.0.mlp.linear_fc2.weight"], hf["model.layers.0.mlp.down_proj.weight"][:, i:])
+    assert s["decoder.layers.0.mlp.linear_fc2.weight"].shape == (cfg.hidden_size, i)
     # 8 experts over ep = 4: ep rank 2 holds experts 4 and 5; local 1 = expert 5, etp rank 1 its second halves
     mi = cfg.moe_intermediate_size // 2
     e5 = "model.layers.1.mlp.experts.5."

@@ -41,7 +41,8 @@ def _rules(cfg: ModelConfig) -> Iterator[tuple[tuple[str, ...], str, str]]:
     L = cfg.num_hidden_layers
     yield ("model.embed_tokens.weight",), "embed_tokens.weight", VOCAB
     yield ("model.norm.weight",), "norm.weight", REP
-    yield ("lm_head.weight",), "lm_head.weight", VOCAB
+    if not cfg.tie_word_embeddings:  # tied: the head is the embedding (HF writes no lm_head, as Megatron none)
+        yield ("lm_head.weight",), "lm_head.weight", VOCAB
     types = cfg.layer_indexer_types()
     for i in range(L + cfg.num_nextn_predict_layers):
         hf = f"model.layers.{i}."
@@ -207,8 +208,11 @@ def from_megatron(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]], c
 
 
 def megatron_state(model) -> dict[str, torch.Tensor]:
-    """A MegatronGLM's own tensors under the converter's names (Megatron's `_extra_state` entries dropped)."""
-    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    """A MegatronGLM's own tensors under the converter's names (Megatron's `_extra_state` entries dropped; with tied
+    embeddings the head's name of the one tensor too)."""
+    tied = model.config.tie_word_embeddings
+    return {k: v for k, v in model.state_dict().items()
+            if torch.is_tensor(v) and not k.endswith("_extra_state") and not (tied and k == "lm_head.weight")}
 
 
 def load_into(model, hf: dict[str, torch.Tensor], *, tp: int = 1, ep: int = 1, etp: int | None = None,

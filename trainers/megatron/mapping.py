@@ -80,9 +80,19 @@ def megatron_args(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.rope_scaling is not None:
         y = cfg.rope_scaling
+        if y.attention_factor is not None:
+            bad("rope_scaling.attention_factor", "Megatron's YaRN always infers the cos/sin scale from mscale")
+        if not y.truncate:
+            bad("rope_scaling.truncate", "Megatron's YaRN rounds the correction range to whole dimensions")
+        mscale = y.mscale
+        if not (y.mscale and y.mscale_all_dim):  # temper / HF: the scale from the factor alone, m(factor, 1)
+            if y.mscale_all_dim:
+                bad("rope_scaling.mscale", "Megatron's YaRN scales cos/sin by m(factor, mscale) / m(factor, "
+                                           "mscale_all_dim) always; HF's m(factor) without mscale has no equivalent")
+            mscale = 1.0  # Megatron's ratio with mscale_all_dim = 0 is then m(factor, 1)
         d.update(rope_type="yarn", rotary_scaling_factor=y.factor,
                  original_max_position_embeddings=y.original_max_position_embeddings, beta_fast=y.beta_fast,
-                 beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+                 beta_slow=y.beta_slow, mscale=mscale, mscale_all_dim=y.mscale_all_dim)
     if cfg.use_dsa:
         d.update(dsa_indexer_n_heads=cfg.index_n_heads, dsa_indexer_head_dim=cfg.index_head_dim,
                  dsa_indexer_topk=cfg.index_topk, dsa_indexer_topk_freq=share[0],

@@ -299,8 +299,6 @@ class MegatronGLM(nn.Module):
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("MegatronGLM runs one pipeline stage; pipeline_model_parallel_size must be 1")
         self.config, self.mcfg = cfg, mcfg = config, mcfg
-        if cfg.tie_word_embeddings:
-            raise NotImplementedError("MegatronGLM: tie_word_embeddings (GLM-5 unties them) is not built")
         self.state = ForwardState()
         attn = ModuleSpec(module=MegatronMLA, params={"model_cfg": cfg, "state": self.state})
         norm = ModuleSpec(module=_Norm)
@@ -319,6 +317,8 @@ class MegatronGLM(nn.Module):
         self.norm = _Norm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = _Column(cfg.hidden_size, cfg.vocab_size, config=_no_sp(mcfg), init_method=mcfg.init_method,
                                bias=False, gather_output=True)
+        if cfg.tie_word_embeddings:  # one tensor: both split the vocabulary's rows over the tp ranks alike (pp = 1)
+            self.lm_head.weight = self.embed_tokens.weight
         moe_spec = block.layer_specs[-1]
         if not cfg.is_moe_layer(cfg.num_hidden_layers - 1):
             raise ValueError("MegatronGLM: the last layer must be MoE (the MTP layers copy its spec)")
@@ -359,9 +359,10 @@ class MegatronGLM(nn.Module):
         h = self._blocks(lambda z, **kw: self.decoder(z, attention_mask=None, **kw), x, ctx, t)
         if pad:  # causal: no real position attends the padding; the statistics keep the real queries and keys
             for e in ctx.collect or []:
+                at_sel = e["sel"] is not None  # then logits and target are [B, T, k], at the selected keys
                 for k in ("index_logits", "target", "sel"):
                     if e[k] is not None:
-                        e[k] = e[k][:, :t, :t] if k != "sel" else e[k][:, :t]
+                        e[k] = e[k][:, :t] if at_sel or k == "sel" else e[k][:, :t, :t]
         out = self.lm_head(self.norm(h)) if logits else h.new_empty(0)
         return ModelOutput(out, h, ctx.collect, ctx.indexer_calls)
 
