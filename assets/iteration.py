@@ -24,6 +24,10 @@ from pathlib import Path
 
 import dagster as dg
 
+from stages.inputs import checkpoint_identity
+
+from .launch import refuse_in_run
+from .memo import AssetMemo
 from .resources import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
@@ -52,10 +56,17 @@ def _asset(*, stage: str | None, kinds: tuple[str, ...] = (), **kw):
     return wrap
 
 
-def _save(d: Path, name: str, out: dict) -> None:
-    """A copy of the stage's result in the run directory, for people and `temper run`'s summary (downstream
-    assets read results from the materialisation metadata, not from these files)."""
-    (d / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+def _memo(context, temper: TemperResource, asset: str, work: tuple[str, ...] = (), sandbox: SandboxResource | None = None,
+          **extra) -> AssetMemo:
+    """The asset's result record in the run directory (`assets/memo.py`): `cached()` is the result to reuse when its
+    inputs (the config the stage reads, with `sandbox`'s choice; the parents' data versions; the code version;
+    `extra`) are unchanged, else None, with `work` (paths under the iteration directory) cleared if they changed.
+    `save(out)` writes the result copy for people and `temper run`'s summary (downstream assets read results from
+    the materialisation metadata, not from these files) and the record that makes it reusable."""
+    import configs
+
+    cfg = configs.load(temper.preset_name, temper.all_overrides() + (sandbox.overrides() if sandbox else []))
+    return AssetMemo(context, temper.dir(context.partition_key), asset, cfg, work, **extra)
 
 
 def _meta(out: dict) -> dict:
@@ -91,16 +102,19 @@ def _upstream(context, name: str) -> dict:
     return res.records[0].asset_materialization.metadata["result"].value
 
 
-def _materialize(pipes_result: dg.MaterializeResult | None, out: dict, meta: dict) -> dg.MaterializeResult:
-    """The asset's materialisation: what the child reported through Pipes (or, for in-process assets, the same
-    fields built here), plus the parent's MLflow link and plot."""
+def _materialize(pipes_result: dg.MaterializeResult | None, out: dict, meta: dict,
+                 memo: AssetMemo | None = None) -> dg.MaterializeResult:
+    """The asset's materialisation: what the child reported through Pipes (or, for in-process assets and reused
+    results, the same fields built here), plus the parent's MLflow link and plot, whether the result was reused
+    (`memo`), and the result's identity as the data version."""
     if pipes_result is None:
         from stages.step import materialization_metadata
 
         pipes_meta = {k: _raw(v) for k, v in materialization_metadata(json.loads(json.dumps(out, default=str))).items()}
     else:
         pipes_meta = dict(pipes_result.metadata or {})
-    return dg.MaterializeResult(metadata={**_meta(out), **pipes_meta, **meta})
+    return dg.MaterializeResult(metadata={**_meta(out), **pipes_meta, **meta, **(memo.meta() if memo else {})},
+                                data_version=memo.data_version() if memo else None)
 
 
 def _raw(v: dict):
@@ -156,9 +170,13 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     import stages
 
     it = context.partition_key
+    refuse_in_run(context, temper.root())  # a bad partition key, or no iteration N−1 here: fails now, once
     d = temper.dir(it)
+    memo = _memo(context, temper, "env_specs", ("envs",))
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {}, memo)
     out = stages.env_specs(temper.config(), d / "envs", iteration=int(it))
-    _save(d, "env_specs", out)
+    memo.save(out)
     meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"], "n_rl": out["n_rl"]},
                   {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
     sets = {"held_out": (out["eval_sha256"], out["eval"], "evaluation")}
@@ -167,7 +185,7 @@ def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.M
     if out.get("train"):
         sets["sft"] = (out["sha256"], out["train"], "training")
     temper.tracker().log_datasets(_iteration_run(temper, it), {f"iteration-{it}-{k}": v for k, v in sets.items()})
-    return _materialize(None, out, meta)
+    return _materialize(None, out, meta, memo)
 
 
 @_asset(stage="verified_envs", kinds=("bubblewrap",), deps=[env_specs], retry_policy=LONG_STEP_RETRY,
@@ -176,15 +194,19 @@ def verified_envs(context: dg.AssetExecutionContext, temper: TemperResource, pip
                   sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     d = temper.dir(it)
-    out, reported = _stage(context, pipes, temper, sandbox, trainer, "verified_envs",
-                           specs=_upstream(context, "env_specs"), out=str(d / "verified"))
-    _save(d, "verified_envs", out)
+    specs = _upstream(context, "env_specs")
+    memo = _memo(context, temper, "verified_envs", ("verified",), sandbox)
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {}, memo)
+    out, reported = _stage(context, pipes, temper, sandbox, trainer, "verified_envs", specs=specs,
+                           out=str(d / "verified"))
+    memo.save(out)
     meta = _track(temper, it, "verified_envs", out, {"accepted": out["accepted"], "triad_pass_rate": out["triad_pass_rate"],
                                                      "accepted_probe_hits": out["accepted_probe_hits"],
                                                      **{k: v for k, v in out.items() if k.startswith("accepted_")}},
                   bars={"admitted share per family": {f: a["accepted"] / max(1, a["total"])
                                                       for f, a in out["acceptance"].items()}})
-    return _materialize(reported, out, meta)
+    return _materialize(reported, out, meta, memo)
 
 
 @dg.asset_check(asset=verified_envs, partitions_def=ITERATIONS, blocking=True,
@@ -242,9 +264,11 @@ def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str, ru
         raise dg.Failure(f"iteration {iteration} in run root {run_root} starts from what iteration {prev} of that run "
                          f"root hands off, but iteration {prev} ran in {', '.join(sorted(elsewhere))} only: each run "
                          "root keeps its own lineage; start this one at iteration 1 (`temper run --run-root "
-                         f"{run_root} --iteration 1`), or keep to the run root iteration {prev} used")
+                         f"{run_root} --iteration 1`), or keep to the run root iteration {prev} used",
+                         allow_retries=False)  # a launch error, not a fault: retrying cannot help
     raise dg.Failure(f"iteration {iteration} starts from what iteration {prev} hands off, which is not materialised "
-                     f"(no `policy` record for iteration {prev}: run iteration {prev} to its evaluation first)")
+                     f"(no `policy` record for iteration {prev}: run iteration {prev} to its evaluation first)",
+                     allow_retries=False)
 
 
 def _domain_metrics(prefix: str, domains: dict) -> dict:
@@ -261,15 +285,21 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     parent, why = _handed_off(context, it, temper.config().hand_off, temper.root())
     if parent:
         context.log.info(f"warm start: iteration {int(it) - 1} hands off {why}: {parent}")
+    envs = _upstream(context, "verified_envs")
+    memo = _memo(context, temper, "warm_start", ("warm_start",), sandbox, parent=parent,
+                 parent_checksum=checkpoint_identity(parent))
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {"parent_checkpoint": parent or "none",
+                                        "hand_off": why if parent else "none (iteration 1)"}, memo)
     out, reported = _stage(context, pipes, temper, sandbox, trainer, "warm_start",
-                           envs=_upstream(context, "verified_envs"), out=str(d / "warm_start"), parent_checkpoint=parent)
-    _save(d, "warm_start", out)
+                           envs=envs, out=str(d / "warm_start"), parent_checkpoint=parent)
+    memo.save(out)
     meta = _track(temper, it, "warm_start", out, {"sft_steps": out["sft_steps"]},
                   {"checkpoint": out["checkpoint"], "parent_checkpoint": parent or "none", "source": out["source"]},
                   live=True)
     where = {"base": f"none (the shipped base {out['checkpoint']})", "sft": "none (SFT from scratch)"}
     return _materialize(reported, out, {**meta, "parent_checkpoint": parent or where[out["source"]],
-                                          "hand_off": why if parent else "none (iteration 1)"})
+                                          "hand_off": why if parent else "none (iteration 1)"}, memo)
 
 
 @_asset(stage="rollout_batches", kinds=("pytorch", "duckdb"), deps=[warm_start, verified_envs], pool="duckdb_writer",
@@ -277,19 +307,22 @@ def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
 def rollout_batches(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
                     sandbox: SandboxResource, trainer: TrainerBackend, rollout: RolloutBackend) -> dg.MaterializeResult:
     it = context.partition_key
-    d = temper.dir(it)
     cfg = temper.config()
     ws = _upstream(context, "warm_start")["checkpoint"]
-    with rollout.serving(cfg, ws) as (urls, router_url):
+    envs = _upstream(context, "verified_envs")
+    memo = _memo(context, temper, "rollout_batches", (), sandbox, rollout=rollout.kind)
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {}, memo)
+    with rollout.serving(cfg, ws) as (urls, router_url):  # rollouts stored under other inputs' key are not resumed
         out, reported = _stage(context, pipes, temper, sandbox, trainer, "rollout_batches",
-                               checkpoint=ws, envs=_upstream(context, "verified_envs"),
+                               checkpoint=ws, envs=envs, inputs_key=memo.key,
                                store_path=str(temper.store_path()), iteration=int(it), urls=urls, router_url=router_url)
-    _save(d, "rollout_batches", out)
+    memo.save(out)
     meta = _track(temper, it, "rollout_batches", out, {"trajectories": out["trajectories"], "tokens": out["tokens"],
                                                        "mean_reward": out["mean_reward"]},
                   {"backend": rollout.kind, "store": out["store"]},
                   bars={"mean reward per family": out["family_reward"]})
-    return _materialize(reported, out, meta)
+    return _materialize(reported, out, meta, memo)
 
 
 @_asset(stage="rewards", kinds=("duckdb",), deps=[rollout_batches, verified_envs], pool="duckdb_writer",
@@ -298,22 +331,24 @@ def rewards(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.Mat
     import stages
 
     it = context.partition_key
-    d = temper.dir(it)
     # the store is opened under the writer pool: DuckDB refuses a reader while another process writes
     envs = _upstream(context, "verified_envs")
+    memo = _memo(context, temper, "rewards")
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {}, memo)
     out = stages.rewards(temper.store_path(), int(it), _upstream(context, "rollout_batches").get("trajectory_ids"),
                          rl_set_dir=stages.rl_set(envs), mine_every=temper.config().envs.mine_every)
     if out["quarantined"]:
         context.log.warning(f"quarantined {len(out['quarantined'])} environment(s) the miner flagged: "
                             f"{out['miner_flags']}")
-    _save(d, "rewards", out)
+    memo.save(out)
     flat = {k: v for k, v in out.items() if isinstance(v, int | float)}
     flat.update({f"{dom}_mean_reward": v for dom, v in out["domain_reward"].items()})
     fams = out.get("by_family", {})
     meta = _track(temper, it, "rewards", out, flat,
                   bars={"mean reward per family": {f: v["mean_reward"] for f, v in fams.items()},
                         "trajectories per family": {f: v["trajectories"] for f, v in fams.items()}})
-    return _materialize(None, out, meta)
+    return _materialize(None, out, meta, memo)
 
 
 @_asset(stage="sao_expert", kinds=("pytorch", "duckdb"), deps=[rewards, warm_start, verified_envs],
@@ -329,10 +364,14 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     envs, ws = _upstream(context, "verified_envs"), _upstream(context, "warm_start")["checkpoint"]
     rew = _upstream(context, "rewards")
     scored, quarantined = rew.get("domains", {}), rew.get("quarantined", [])
+    memo = _memo(context, temper, "sao_experts", ("experts",), sandbox, rollout=rollout.kind)
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, _experts_meta(hit), memo)
     out, meta = {}, {}
     for dom in envs["domains"]:  # one expert per domain that has admitted environments
         res = d / "experts" / dom / "result.json"
-        if res.exists():  # finished before a retry: keep it (its MLflow run was completed then)
+        if res.exists():  # finished by an earlier attempt on the same inputs (else cleared): its MLflow run is complete
+            context.log.info(f"{dom} expert: kept from an earlier attempt on the same inputs ({res})")
             out[dom] = json.loads(res.read_text())
             continue
         with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
@@ -355,15 +394,17 @@ def sao_experts(context: dg.AssetExecutionContext, temper: TemperResource, pipes
         if out[dom].get("skipped"):
             context.log.warning(f"no {dom} expert this iteration: {out[dom]['skipped']}")
         meta.update({f"{dom}_{k}": v for k, v in m.items()})
-    _save(d, "sao_experts", out)
-    return _materialize(None, out, {**{f"{k}_checkpoint": dg.MetadataValue.path(v["checkpoint"]) for k, v in out.items()},
-                                    **{f"{k}_steps": v["steps"] for k, v in out.items()},
-                                    **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
-                                    **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
-                                    **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
-                                    **{f"{k}_crashed_share": v["crashed_share"] for k, v in out.items()
-                                       if "crashed_share" in v},
-                                    **meta})
+    memo.save(out)
+    return _materialize(None, out, {**_experts_meta(out), **meta}, memo)
+
+
+def _experts_meta(out: dict) -> dict:
+    return {**{f"{k}_checkpoint": dg.MetadataValue.path(v["checkpoint"]) for k, v in out.items()},
+            **{f"{k}_steps": v["steps"] for k, v in out.items()},
+            **{f"{k}_resumed_from_step": v.get("resumed_from_step", 0) for k, v in out.items()},
+            **{f"{k}_skipped": v["skipped"] for k, v in out.items() if v.get("skipped")},
+            **{f"{k}_updates": v.get("updates", 0) for k, v in out.items()},
+            **{f"{k}_crashed_share": v["crashed_share"] for k, v in out.items() if "crashed_share" in v}}
 
 
 @_asset(stage="opd_student", kinds=("pytorch", "duckdb"), deps=[sao_experts, warm_start, verified_envs],
@@ -377,14 +418,18 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
     experts = {k: v["checkpoint"] for k, v in sao.items() if v.get("steps", 0) > 0}
     quarantine = sorted({q for v in sao.values() for q in v.get("quarantined", [])})  # what the miner flagged
     ws = _upstream(context, "warm_start")["checkpoint"]
+    envs = _upstream(context, "verified_envs")
+    memo = _memo(context, temper, "opd_student", ("student",), sandbox, rollout=rollout.kind)
+    if (hit := memo.cached()) is not None:
+        return _materialize(None, hit, {}, memo)
     with rollout.stage_serving(temper.config(), ws) as (urls, router_url), \
             rollout.teacher_serving(temper.config(), ws) as teacher_urls:  # the teachers' own servers
         out, reported = _stage(context, pipes, temper, sandbox, trainer, "opd_student",
-                               init=ws, experts=experts, envs=_upstream(context, "verified_envs"),
+                               init=ws, experts=experts, envs=envs,
                                out=str(d / "student"), urls=urls, router_url=router_url,
                                store_path=str(temper.store_path()), iteration=int(it),
                                teacher_urls=teacher_urls if experts else None, quarantine=quarantine)
-    _save(d, "opd_student", out)
+    memo.save(out)
     out["curves"] = {"reverse_kl": out["reverse_kl"]}
     gate = out.get("gate") or {}
     meta = _track(temper, it, "opd_student", out,
@@ -396,7 +441,8 @@ def opd_student(context: dg.AssetExecutionContext, temper: TemperResource, pipes
                    f"of {g['n']} validation tasks)" for d, g in gate.items() if not g["teaches"]}
     return _materialize(reported, out, {**meta, "teachers": ", ".join(sorted(out.get("teachers", {}))) or "none",
                                         "anchored_to_warm_start": ", ".join(out.get("anchored", [])) or "none",
-                                        "teachers_left_out": dg.MetadataValue.json(left_out) if left_out else "none"})
+                                        "teachers_left_out": dg.MetadataValue.json(left_out) if left_out else "none"},
+                        memo)
 
 
 @_asset(stage="evaluation", kinds=("pytorch", "mlflow"),
@@ -411,6 +457,9 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     d = temper.dir(it)
     experts = _upstream(context, "sao_experts")
     ws = _upstream(context, "warm_start")["checkpoint"]
+    memo = _memo(context, temper, "evaluation", ("eval",), sandbox, rollout=rollout.kind)
+    if (hit := memo.cached()) is not None:  # registered, and handed off (`policy`), when it was computed
+        return _materialize(None, hit, {}, memo)
     with rollout.stage_serving(temper.config(), ws) as (urls, router_url):
         out, reported = _stage(context, pipes, temper, sandbox, trainer, "evaluation",
                                student=_upstream(context, "opd_student")["checkpoint"], baseline=ws,
@@ -443,7 +492,6 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                               significant=dec["significant"], p_value=dec["p_value"])
     tr.finish(run)
     out.update(registered=reg)
-    _save(d, "evaluation", out)
     # hand off to the next iteration: iteration N+1's warm start reads this record and picks the student or this
     # iteration's warm start by its `hand_off` rule
     context.log_event(dg.AssetMaterialization(POLICY_KEY, description=f"iteration {it}'s student", metadata={
@@ -453,6 +501,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
         "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
         "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
         "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
+    memo.save(out)  # reusable once handed off
     table = ("| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n"
              "|---|---|---|---|---|---|---|---|\n")
     table += "\n".join(f"| {g} | {v['before']['pass@1']:.3f} | [{v['before']['ci95'][0]:.2f}, {v['before']['ci95'][1]:.2f}] | "
@@ -462,7 +511,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                           "champion_moved": reg["champion_moved"], "champion_reason": reg["reason"],
                                           "registered_model_uri": dg.MetadataValue.url(reg["model_uri"]),
                                           "logged_model_id": reg["model_id"],
-                                          "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))})
+                                          "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))}, memo)
 
 
 # not computed by a step of its own: evaluation records each iteration's student, warm_start reads it

@@ -126,7 +126,13 @@ class TemperResource(dg.ConfigurableResource):
         return p
 
     def dir(self, iteration: str) -> Path:
-        p = self.root() / f"iteration-{int(iteration):04d}"
+        from .launch import LaunchRefused, iteration_number
+
+        try:
+            n = iteration_number(iteration)
+        except LaunchRefused as e:  # a partition added by hand in the UI: fails once, not three times
+            raise dg.Failure(str(e), allow_retries=False) from None
+        p = self.root() / f"iteration-{n:04d}"
         p.mkdir(parents=True, exist_ok=True)
         return p
 
@@ -227,7 +233,8 @@ class RolloutBackend(dg.ConfigurableResource):
             return
         if self.kind == "sglang":
             if not self.urls:
-                raise dg.Failure("rollout backend 'sglang' needs `urls` (the SGLang servers' base URLs)")
+                raise dg.Failure("rollout backend 'sglang' needs `urls` (the SGLang servers' base URLs)",
+                                 allow_retries=False)  # a config error (`assets/launch.py` refuses it at launch)
             yield list(self.urls), self.router_url
             return
         from rollout.backend import embedded_servers
@@ -300,7 +307,8 @@ class StageRunner(dg.ConfigurableResource):
         from dagster_k8s.pipes import build_pod_body
 
         if not self.image:
-            raise dg.Failure("pipes kind 'k8s' needs `image`: an image with temper installed")
+            raise dg.Failure("pipes kind 'k8s' needs `image`: an image with temper installed",
+                             allow_retries=False)  # a config error (`assets/launch.py` refuses it at launch)
         return build_pod_body(f"temper-{stage.replace('_', '-')}", self.image, ["python", *command[1:]], env,
                               {"labels": {"app.kubernetes.io/name": "temper", "temper/stage": stage.replace("_", "-")}},
                               self.pod_spec(stage, run_root))

@@ -7,12 +7,12 @@ sensors that start the next iteration), loaded with `dg.load_from_defs_folder`, 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import dagster as dg
 
 from assets import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
+from assets.launch import launch_checked
 from pipelines.defs.automation import (
     iteration_job,
     mark_failed_iterations,
@@ -28,13 +28,14 @@ def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend
                    sandbox: SandboxResource | None = None, trainer: TrainerBackend | None = None,
                    pipes: StageRunner | None = None) -> dict:
     """The iteration's resources (defaults: `tiny`, embedded servers, the preset's sandbox, torch)."""
-    ui = os.environ.get("TEMPER_MLFLOW_UI", "http://127.0.0.1:5000")  # `make ui` sets it from its --mlflow-port
-    return {"temper": temper or TemperResource(mlflow_ui=ui), "pipes": pipes or StageRunner(),
+    from pipelines.ui import ui_urls
+
+    return {"temper": temper or TemperResource(mlflow_ui=ui_urls()[1]), "pipes": pipes or StageRunner(),
             "rollout": rollout or RolloutBackend(), "sandbox": sandbox or SandboxResource(),
             "trainer": trainer or TrainerBackend()}
 
 
 defs = dg.Definitions.merge(
     dg.load_from_defs_folder(project_root=Path(__file__).resolve().parents[1]),  # pipelines/defs/
-    dg.Definitions(resources=make_resources()),
+    dg.Definitions(resources=launch_checked(make_resources())),  # checked when a run is planned: before it exists
 )

@@ -98,20 +98,49 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
             "trajectories": ro.get("trajectories"), "tokens": ro.get("tokens")}
 
 
+def _run_config(args) -> dict:
+    """The run config `temper run` launches with (the same check as the Launchpad's applies to it)."""
+    from .ui import ui_urls
+
+    cfg = {"preset": args.preset, "overrides": args.override, "run_root": str(Path(args.run_root)),
+           "mlflow_ui": ui_urls()[1]}
+    res = {"temper": {"config": cfg}}
+    if args.servers:
+        res["rollout"] = {"config": {"kind": "embedded", "embedded_servers": args.servers, "all_stages": True}}
+    return {"resources": res, "loggers": {"console": {"config": {"log_level": args.log_level}}}}
+
+
+def again(args) -> str:
+    """The command that runs the next iteration (or repairs this one) on the same preset, overrides and run root."""
+    import shlex
+    import sys
+
+    prog = sys.argv[0] if Path(sys.argv[0]).name == "temper" else "temper"
+    cmd = [prog, "run", "--preset", args.preset, *(x for o in args.override for x in ("-o", o)),
+           "--run-root", str(args.run_root), *(["--servers", str(args.servers)] if args.servers else [])]
+    return shlex.join(cmd)
+
+
 def cmd_run(args) -> int:
     import warnings
 
     from rich.console import Console
+    from rich.markup import escape
 
     warnings.filterwarnings("ignore", message=".*is currently in (preview|beta).*")
 
     con = Console()
     import configs
+    from assets.launch import LaunchRefused, check_parent, check_run_config, iteration_number
 
-    try:  # a bad preset or override fails here, before any partition or run exists
+    run_config = _run_config(args)
+    try:  # every configuration error fails here, before any partition or run exists
         configs.load(args.preset, args.override)
-    except configs.ConfigError as e:
-        con.print(f"[red]error:[/red] {e}")
+        check_run_config(run_config)
+        if args.iteration is not None:
+            iteration_number(str(args.iteration))
+    except (configs.ConfigError, LaunchRefused) as e:
+        con.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
     root = Path.cwd()
     instance = _instance(root)
@@ -119,7 +148,7 @@ def cmd_run(args) -> int:
     from assets import ITERATIONS
     from pipelines.definitions import defs
 
-    keys = [int(k) for k in instance.get_dynamic_partitions(ITERATIONS.name)]
+    keys = instance.get_dynamic_partitions(ITERATIONS.name)
     run_root = Path(args.run_root)
     if args.iteration:
         it = str(args.iteration)
@@ -128,17 +157,17 @@ def cmd_run(args) -> int:
         it = str(n)
         if repair:  # the last iteration failed: repair it instead of burning a new number
             con.print(f"iteration {n} did not finish: running it again (finished steps are kept)")
-    if it not in map(str, keys):
+    try:  # iteration N starts from what N−1 of this run root handed off
+        check_parent(instance, int(it), run_root)
+    except LaunchRefused as e:
+        con.print(f"[red]error:[/red] {escape(str(e))}")
+        return 2
+    if it not in keys:
         instance.add_dynamic_partitions(ITERATIONS.name, [it])
-    cfg = {"preset": args.preset, "overrides": args.override, "run_root": str(run_root),
-           "mlflow_ui": "http://127.0.0.1:5000"}
-    con.print(f"[bold]temper[/] iteration {it} on [bold]{args.preset}[/] → {run_root / f'iteration-{int(it):04d}'}")
+    con.print(f"[bold]temper[/] iteration {it} on [bold]{escape(args.preset)}[/] → {run_root / f'iteration-{int(it):04d}'}")
     t0 = time.perf_counter()
     res = defs.resolve_job_def("iteration").execute_in_process(
-        run_config={"resources": {"temper": {"config": cfg}, **({"rollout": {"config": {
-                        "kind": "embedded", "embedded_servers": args.servers, "all_stages": True}}} if args.servers else {})},
-                    "loggers": {"console": {"config": {"log_level": args.log_level}}}},
-        instance=instance, partition_key=it, raise_on_error=False)
+        run_config=run_config, instance=instance, partition_key=it, raise_on_error=False)
     wall = time.perf_counter() - t0
     run_dir = run_root / f"iteration-{int(it):04d}"
     out = summary(run_dir, _step_seconds(res), wall, con)
@@ -146,22 +175,24 @@ def cmd_run(args) -> int:
                                                       "run_id": res.run_id}, indent=1))
     if not res.success:
         _mark_failed(run_root, it)
+    cmd = f"[bold]{escape(again(args))}[/]"
     if res.success:
-        import configs
         import stages
 
         ev = json.loads((run_dir / "evaluation.json").read_text())
         ws = json.loads((run_dir / "warm_start.json").read_text())["checkpoint"]
         rule = configs.load(args.preset, args.override).hand_off
         _, why = stages.hand_off(rule, ev["student"], ws, bool(ev.get("registered", {}).get("champion_moved")))
-        again = (f"again: [bold]make run[/] (iteration {int(it) + 1} starts from what iteration {it} hands off: "
-                 f"{why.split(':')[0]})")
+        hint = f"again: {cmd} (iteration {int(it) + 1} starts from what iteration {it} hands off: {why.split(':')[0]})"
     else:
-        again = f"again: [bold]make run[/] reruns iteration {it} from its last finished step"
+        hint = f"again: {cmd} reruns iteration {it} from its last finished step"
+    from .ui import ui_urls
+
+    dagster_ui, mlflow_ui = ui_urls()[0], run_config["resources"]["temper"]["config"]["mlflow_ui"]  # from config
     con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'}.\n"
-              f"Next: [bold]make ui[/] → Dagster http://127.0.0.1:3000 (assets, lineage, this run) · "
-              f"MLflow http://127.0.0.1:5000 (curves, the `temper-student` model and its champion alias).\n"
-              f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · {again}")
+              f"Next: [bold]make ui[/] → Dagster {dagster_ui} (assets, lineage, this run) · "
+              f"MLflow {mlflow_ui} (curves, the `temper-student` model and its champion alias).\n"
+              f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · {hint}")
     return 0 if res.success else 1
 
 

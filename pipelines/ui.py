@@ -22,6 +22,17 @@ def dagster_home(root: Path) -> Path:
     return home
 
 
+DAGSTER_PORT, MLFLOW_PORT = 3000, 5000  # `make ui`'s defaults (make ui DAGSTER_PORT=… MLFLOW_PORT=…)
+
+
+def ui_urls(env=None) -> tuple[str, str]:
+    """Where `make ui` serves Dagster and MLflow: $TEMPER_DAGSTER_UI and $TEMPER_MLFLOW_UI (`make ui` and `make run`
+    set them from their DAGSTER_PORT and MLFLOW_PORT), else the defaults on 127.0.0.1."""
+    env = os.environ if env is None else env
+    return (env.get("TEMPER_DAGSTER_UI") or f"http://127.0.0.1:{DAGSTER_PORT}",
+            env.get("TEMPER_MLFLOW_UI") or f"http://127.0.0.1:{MLFLOW_PORT}")
+
+
 def commands(root: Path, host: str, dagster_port: int, mlflow_port: int) -> list[list[str]]:
     """The webserver, the daemon (sensors) and the MLflow server, on `host`."""
     bin_ = Path(sys.executable).parent
@@ -39,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="make ui", description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--dagster-port", type=int, default=3000)
-    ap.add_argument("--mlflow-port", type=int, default=5000)
+    ap.add_argument("--dagster-port", type=int, default=DAGSTER_PORT)
+    ap.add_argument("--mlflow-port", type=int, default=MLFLOW_PORT)
     args = ap.parse_args(argv)
     root = Path.cwd()
     home = dagster_home(root)
@@ -48,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     mlflow_ui = f"http://{args.host}:{args.mlflow_port}"
     env = {**os.environ, "DAGSTER_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true",
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DAGSTER_DISABLE_TELEMETRY": "true",
-           "TEMPER_MLFLOW_UI": mlflow_ui}  # run links in asset metadata point at this MLflow UI
+           "TEMPER_MLFLOW_UI": mlflow_ui,  # run links in asset metadata point at this MLflow UI
+           "TEMPER_DAGSTER_UI": f"http://{args.host}:{args.dagster_port}"}
     procs = [subprocess.Popen(c, env=env, start_new_session=True)
              for c in commands(root, args.host, args.dagster_port, args.mlflow_port)]
     print(f"Dagster UI: http://{args.host}:{args.dagster_port}  ·  MLflow UI: {mlflow_ui}  (Ctrl-C to stop)",

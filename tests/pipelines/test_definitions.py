@@ -203,16 +203,19 @@ def test_failing_triad_check_blocks_downstream(instance, tmp_path):
 
 def test_recurring_and_evaluation_sensors_carry_the_previous_config(instance):
     """Both triggers add partition N+1 (sensors may; schedules may not) and launch it on iteration N's run config,
-    and only once N has been evaluated."""
+    once N has been evaluated (tests/pipelines/test_launch.py: failed launches in between)."""
     first = recurring_iterations(dg.build_sensor_context(instance=instance))
     assert [r.partition_key for r in first.run_requests] == ["1"] and first.run_requests[0].run_config == {}
     assert first.dynamic_partitions_requests[0].partition_keys == ["1"]
     instance.add_dynamic_partitions(ITERATIONS.name, ["1"])
-    assert "not been evaluated" in recurring_iterations(dg.build_sensor_context(instance=instance)).skip_message
+    again = recurring_iterations(dg.build_sensor_context(instance=instance))  # no run came of it: the same request
+    assert [r.run_key for r in again.run_requests] == [first.run_requests[0].run_key]  # (Dagster launches a key once)
     assert isinstance(next_iteration_on_evaluation(dg.build_sensor_context(instance=instance)), dg.SkipReason)
 
     @dg.asset(name="evaluation", partitions_def=ITERATIONS)
-    def stub(temper: TemperResource):  # stands in for iteration 1's evaluation, run on a non-default config
+    def stub(context, temper: TemperResource):  # stands in for iteration 1's evaluation, run on a non-default config
+        context.log_event(dg.AssetMaterialization("policy", metadata={  # and its hand-off record
+            "iteration": 1, "checkpoint": "/x/student", "run_root": str(Path(temper.run_root).resolve())}))
         return 1
 
     conf = {"resources": {"temper": {"config": {"preset": "micro", "overrides": ["loop.steps=3"]}}}}
