@@ -35,7 +35,7 @@ POLICY_KEY = dg.AssetKey("policy")
 # a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
 LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 OWNERS = ["team:post-training"]
-_STAGES = Path(__file__).parents[1] / "stages" / "__init__.py"
+_STAGES = Path(__file__).parents[1] / "stages"  # one module per stage or group of stages
 
 
 def _code_version(fn, stage: str | None) -> str:
@@ -43,8 +43,8 @@ def _code_version(fn, stage: str | None) -> str:
     older code."""
     text = inspect.getsource(fn)
     if stage:
-        tree = ast.parse(_STAGES.read_text())
-        text += next(ast.unparse(f) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == stage)
+        fns = (f for m in sorted(_STAGES.glob("*.py")) for f in ast.parse(m.read_text()).body)
+        text += next(ast.unparse(f) for f in fns if isinstance(f, ast.FunctionDef) and f.name == stage)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -1,6 +1,7 @@
 """Stage functions on their own: validation with sampled hack probes, held-out patterns."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -241,6 +242,8 @@ def test_an_expert_teaches_only_if_it_beats_the_warm_start_on_validation(tmp_pat
 
     up = stages.teacher_gate(cfg, rand, {"code": base}, envs)["code"]
     crashes = up.pop("crashes")  # per family, each policy's episodes on the domain: none lost here
+    # the warm start's outcomes per validation task, for evaluation's decision to reuse (stages/decision.py)
+    assert up.pop("warm_ckpt") == str(Path(rand).resolve()) and up.pop("warm_rewards") == {s.id: 0.0 for s in code}
     assert up == {"n": len(code), "warm_start": 0.0, "expert": k / len(code), "gained": k, "lost": 0, "teaches": True}
     assert {w: (c["episodes"], c["share"]) for w, c in crashes.items()} == {"warm_start": (len(code), 0.0),
                                                                           "expert": (len(code), 0.0)}

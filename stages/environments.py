@@ -1,0 +1,106 @@
+"""`env_specs` and `verified_envs`: the iteration's environments, generated and gated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import (
+    ITERATION_SEED_STRIDE,
+    _dump,
+    _quiet,
+)
+
+
+def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
+    """Generate the iteration's environments: the held-out set (the same every iteration, so iterations compare),
+    the RL set and, without a base checkpoint, the SFT set — fresh instances every iteration (seeds offset by
+    the iteration), so RL never revisits environments an earlier iteration trained on."""
+    from envs.dataset import write_dataset
+
+    from .env_sets import build_sets
+
+    off = ITERATION_SEED_STRIDE * (iteration - 1)
+    e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + off, "rl_seed": cfg.envs.rl_seed + off,
+                                    "val_seed": cfg.envs.val_seed + off})
+    sets = build_sets(e, cfg.base)  # hashed seeds per purpose; held-out disjoint from the base recipe and every set
+    skipped = sets["skipped"]
+    held = write_dataset(sets["eval"], out / "eval", {"seed": e.eval_seed, "purpose": "held-out",
+                                                      "skipped_base_or_repeated": skipped["eval"]})
+    res = {"train": None, "eval": str(out / "eval"), "n_train": 0, "n_eval": held["n"], "n_rl": 0,
+           "families": {}, "eval_families": held["families"], "eval_sha256": held["sha256"], "skipped": skipped}
+    if sets["val"] is not None:  # model selection's own tasks: the same patterns as the held-out set, none of its tasks
+        val = write_dataset(sets["val"], out / "val", {"seed": e.val_seed, "purpose": "validation",
+                                                       "held_out_removed": skipped["val"]})
+        res.update(val=str(out / "val"), n_val=val["n"], val_sha256=val["sha256"])
+    if sets["train"] is not None:  # the SFT set (RL's too when there is no RL set); empty sets fail the triad check
+        train = write_dataset(sets["train"], out / "train", {"seed": e.seed, "purpose": "sft"})
+        res.update(train=str(out / "train"), n_train=train["n"], families=train["families"], sha256=train["sha256"])
+    if sets["rl"] is not None:
+        rl = write_dataset(sets["rl"], out / "rl", {"seed": e.rl_seed, "purpose": "rl"})
+        res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
+    return res
+
+
+def _task_content(spec) -> str:
+    from envs.generator import task_content
+
+    return task_content(spec)
+
+
+def rl_set(envs: dict) -> str:
+    """The environments RL trains in: the separate RL set when the preset has one, else the SFT set."""
+    return envs.get("rl") or envs["train"]
+
+
+def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envs import make_sandbox
+    from envs.dataset import read_dataset, write_dataset
+    from envs.gate import GateReport, acceptance, validate
+
+    from .crashes import gate_crash, gate_tally
+
+    sb = make_sandbox(cfg.envs.sandbox)
+    sets = [k for k in ("train", "rl") if specs.get(k)]
+    every = [(k, s) for k in sets for s in read_dataset(specs[k])]
+    # each verdict is kept as it comes, under the spec's content hash and the legs asked: a rerun after a kill
+    # (or with the same environments) judges only what is not judged yet
+    cache = out / "reports"
+    cache.mkdir(parents=True, exist_ok=True)
+
+    def judge(i: int) -> tuple[GateReport, bool]:
+        """(the verdict, whether it was kept from an earlier attempt)"""
+        spec, probes = every[i][1], cfg.envs.probes and i % cfg.envs.probe_every == 0
+        path = cache / f"{spec.spec_hash}-{'probes' if probes else 'triad'}-{sb.name}.json"
+        if path.exists():
+            try:
+                return GateReport(**json.loads(path.read_text())), True
+            except (ValueError, TypeError):  # a torn write: judge again
+                pass
+        rep = validate(spec, sb, probes=probes)
+        if gate_crash(rep.to_dict()) is None:  # a crash is the sandbox's, not the spec's: a rerun judges it again
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rep.to_dict(), default=str))
+            tmp.replace(path)
+        return rep, False
+
+    with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
+        judged = list(pool.map(judge, range(len(every))))
+    reports, reused = [r for r, _ in judged], sum(kept for _, kept in judged)
+    log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted"
+        + (f" ({reused} verdicts kept from an earlier attempt)" if reused else ""))
+    res: dict = {"eval": specs["eval"], **({"val": specs["val"]} if specs.get("val") else {})}
+    for k in sets:  # the last one is the set RL trains in: its domains get experts
+        ok = [s for (kk, s), r in zip(every, reports) if kk == k and r.accepted]
+        write_dataset(ok, out / k, {"validated_from": specs[k]})
+        res.update({k: str(out / k), f"accepted_{k}": len(ok)})
+    _dump(out / "validation.json", [r.to_dict() for r in reports])  # (read it when the crash check below fails)
+    crashes = gate_tally([r.to_dict() for r in reports]).check(cfg.loop.max_crashed_share, "verified_envs")
+    accepted = sum(r.accepted for r in reports)
+    probe_hits = sum(1 for r in reports if r.accepted for p in r.probes.values() if p.get("reward", 0) > 0)
+    return {**res, "accepted": accepted, "total": len(every), "sandbox": sb.name, "verdicts_reused": reused,
+            "acceptance": acceptance(reports), "triad_pass_rate": accepted / max(1, len(every)),
+            "accepted_probe_hits": probe_hits, "probed": sum(1 for r in reports if r.probes),
+            "domains": sorted({s.domain for s in ok}), "crashes": crashes, "crashed_share": crashes["share"]}
