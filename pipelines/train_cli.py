@@ -96,7 +96,7 @@ def _dist_backend(cfg):
     data parallel over torchrun's ranks when torchrun started it, else one process."""
     import os
 
-    from trainers.backends import make_train_backend
+    from trainers.runtime import make_train_backend
 
     if "RANK" not in os.environ:
         return make_train_backend(cfg.trainer)

@@ -97,9 +97,10 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
     from rollout.agent import Agent, run_episodes
-    from trainers.backends import from_main, make_train_backend
+    from trainers.backends import from_main
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.opd import OPDTrainer
+    from trainers.runtime import make_train_backend
     from trainers.teachers import TeacherPool
 
     if gate is None:

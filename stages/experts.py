@@ -104,9 +104,9 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
 
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint, save_checkpoint
-    from trainers.backends import make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state
     from trainers.loop import RLLoop
+    from trainers.runtime import make_train_backend
 
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     kept = [s for s in specs if pattern_key(s) not in constant]

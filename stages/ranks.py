@@ -25,7 +25,7 @@ def _emit(kind: str, payload) -> None:
 def main(spec_path: str) -> int:
     import stages
     from configs import IterationConfig
-    from trainers.backends import make_train_backend
+    from trainers.runtime import make_train_backend
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = IterationConfig.model_validate(spec["config"])

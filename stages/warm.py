@@ -62,9 +62,9 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
     from envs.dataset import read_dataset
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, Transformer, save_checkpoint
-    from trainers.backends import make_train_backend
     from trainers.checkpoint import complete_checkpoints, load_training_state, restore, save_training_state
     from trainers.lm import LMTrainer, train_lm
+    from trainers.runtime import make_train_backend
     from trainers.sft import oracle_trajectories, sft_batches
 
     if parent_checkpoint:

@@ -105,8 +105,8 @@ def test_checkpointing_keeps_fewer_tensors_for_backward(pair, monkeypatch):
 def test_the_trainer_config_turns_it_on_and_megatron_refuses_it():
     from pydantic import ValidationError
 
-    from trainers.backends import make_train_backend
     from trainers.config import TrainerConfig
+    from trainers.runtime import make_train_backend
 
     be = make_train_backend(TrainerConfig(activation_checkpointing=True))
     m = be.wrap(Transformer(configs.load("micro").model))

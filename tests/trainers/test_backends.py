@@ -146,8 +146,8 @@ def test_launched_ranks_die_on_sigterm_whatever_the_parent_ignored():
 def test_trainer_device_places_the_model_and_names_its_key(monkeypatch):
     """`trainer.device`: the backend's `wrap` puts the model there (checked with the meta device, which any machine
     has); `auto` is the host without CUDA, and `cuda` without CUDA is refused with the key named."""
-    from trainers.backends import make_train_backend
     from trainers.config import TrainerConfig
+    from trainers.runtime import make_train_backend
 
     m = TorchBackend("meta").wrap(Transformer(configs.load("micro").model))
     assert all(p.is_meta for p in m.parameters())

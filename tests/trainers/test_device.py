@@ -125,8 +125,8 @@ def test_opd_step_on_cuda_equals_the_cpu_step_with_a_host_teacher(pool):
 
 def test_the_default_trainer_backend_trains_on_the_gpu():
     """`trainer.device: auto` with CUDA: the pipeline's backend puts the model on the GPU, and a step runs there."""
-    from trainers.backends import make_train_backend
     from trainers.config import TrainerConfig
+    from trainers.runtime import make_train_backend
 
     be = make_train_backend(TrainerConfig())
     m = be.wrap(_model())

@@ -345,8 +345,8 @@ def test_the_torch_backend_trains_bf16_weights_through_fp32_main_weights():
     opt = be.optimizer(net.parameters(), lr=1e-3)
     assert isinstance(opt, ShardedAdamW)
     assert isinstance(be.optimizer([torch.zeros(2, requires_grad=True)], lr=1e-3), torch.optim.AdamW)  # fp32 only
-    from trainers.backends import make_train_backend
     from trainers.config import TrainerConfig
+    from trainers.runtime import make_train_backend
 
     off = make_train_backend(TrainerConfig(device="cpu", fp32_main_weights=False))  # the opt-out: a bf16 AdamW
     assert type(off.optimizer(_Net().parameters(), lr=1e-3)) is torch.optim.AdamW
