@@ -319,7 +319,7 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
     both("indexer top-k fp8", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=True),
          lambda: kernels.indexer_topk(q, w, k, qpos, topk, fp8=True), flops=fl, check=lambda: agree(True))
 
-    # the fp32 indexer's two kernels apart (scores + packed keys; streaming bitonic top-k), over a few tilings:
+    # the fp32 indexer's two kernels apart (fp32 scores; the radix-select top-k), over a few tilings:
     # (query rows, keys, warps) of the scores kernel and the top-k kernel's warps
     sweep = []
     want_sel = kix.indexer_topk_reference(q, w, k, qpos, topk)

@@ -29,6 +29,7 @@ from torch import nn
 import temper_kernels as kernels
 from temper_kernels import stable_topk  # noqa: F401  (re-exported: the model's deterministic top-k)
 
+from . import indexer_stats
 from .config import ModelConfig
 from .layers import FP32Linear, RMSNorm, apply_rope, replaying
 
@@ -227,28 +228,29 @@ class MLA(nn.Module):
             k_all = self._fan(self._keys(ctx, "index", k_new))
             q, w = ix.queries(self._fan(x), q_lat, ctx.cos, ctx.sin)
             t = x.shape[1]
-            relu = self.cfg.index_score_relu
-            if collect or self._split_heads:  # the full score matrix (with its graph when collecting statistics)
-                if not collect and not (sparse and keys_len > self.cfg.index_topk):
-                    return None
-                s = self._reduce_heads(kernels.indexer.scores_reference(q, w, k_all, relu))
-                s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
-                replay = replaying()  # recomputing `s` for backward: the statistics were collected once already
-                if not replay:
-                    ctx.indexer_calls.append(self.layer_idx)
-                if collect and not replay:
-                    ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": None})
-                if not (sparse and keys_len > self.cfg.index_topk):
-                    return None
-                sel = stable_topk(s.detach(), self.cfg.index_topk)
-                if collect and not replay:
-                    ctx.collect[-1]["sel"] = sel
-                return sel
-            if not (sparse and keys_len > self.cfg.index_topk):
+            cfg = self.cfg
+            relu, fp8, topk = cfg.index_score_relu, cfg.indexer_fp8, cfg.index_topk
+            select = sparse and keys_len > topk
+            if not select and not collect:
                 return None
-            if not replaying():
+            replay = replaying()  # recomputing for backward: the statistics were collected once already
+            if not replay:
                 ctx.indexer_calls.append(self.layer_idx)
-            return kernels.indexer_topk(q, w, k_all, ctx.qpos, self.cfg.index_topk, relu=relu)
+            sel = None
+            if select and self._split_heads:  # this rank's heads: their scores summed over the ranks, chunk by chunk
+                sel = indexer_stats.select_topk(q, w, k_all, ctx.qpos, topk, relu, fp8, self._reduce_heads,
+                                                CHUNK_ELEMS)
+            elif select:
+                sel = kernels.indexer_topk(q, w, k_all, ctx.qpos, topk, fp8=fp8, relu=relu)
+            if collect:  # the indexer's logits with their graph: at the selected keys, or (dense) at every key
+                s = self._reduce_heads(indexer_stats.indexer_logits(q, w, k_all, sel, relu, CHUNK_ELEMS))
+                if sel is not None:
+                    s = s.masked_fill(sel > ctx.qpos[..., None], float("-inf"))  # a row's picks past its causal end
+                else:
+                    s = s.masked_fill(~self._allowed(ctx, 0, t, keys_len), float("-inf"))
+                if not replay:
+                    ctx.collect.append({"layer": self.layer_idx, "index_logits": s, "target": None, "sel": sel})
+            return sel
 
     # ---- attention paths ----
     def _mask(self, ctx: AttnContext, t0: int, t1: int, n_keys: int, sel: torch.Tensor | None) -> torch.Tensor:
@@ -306,15 +308,37 @@ class MLA(nn.Module):
     # ---- indexer-loss statistics ----
     @torch.no_grad()
     def _collect_attention(self, q_nope, q_pe, keys, ctx: AttnContext, sel):
-        """Head-summed main-attention distribution of this layer, added to its indexer group's target."""
+        """Head-summed main-attention distribution of this layer, added to its indexer group's target, in query
+        chunks (no [B, H, T, S] logits exist at once). With a selection, at the selected keys only [B, T, k] (what
+        the sparse KL reads): the absorbed form over the gathered latent rows, O(k) a query as in `sparse_mla`;
+        without one, over every key [B, T, S] through the expanded keys."""
         cfg = self.cfg
         b, t, H, _ = q_nope.shape
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         s = keys.shape[1]
-        kv = self.kv_b_proj(keys[..., :r]).view(b, s, H, nope + cfg.v_head_dim)
-        k = torch.cat([kv[..., :nope], keys[..., None, r:].expand(b, s, H, cfg.qk_rope_head_dim)], -1)
-        logits = torch.einsum("bthd,bshd->bhts", torch.cat([q_nope, q_pe], -1), k).float() * self.scale
-        m = self._mask(ctx, 0, t, s, sel)
-        p = self._reduce_heads(logits.masked_fill(~m[:, None], float("-inf")).softmax(-1).sum(1))  # [B,T,S]
+        parts = []
+        if sel is not None:
+            w_uk, _ = self._absorb_weights()
+            n, d = sel.shape[-1], keys.shape[-1]
+            step = max(1, CHUNK_ELEMS // max(1, b * n * (d + H)))
+            rows = torch.arange(b, device=keys.device)[:, None, None]
+            for t0 in range(0, t, step):
+                t1 = min(t, t0 + step)
+                qa = _absorbed_query(q_nope[:, t0:t1], q_pe[:, t0:t1], w_uk)  # [B, C, H, r + rope]
+                sc = torch.einsum("bchd,bckd->bchk", qa, keys[rows, sel[:, t0:t1]]).float() * self.scale
+                valid = sel[:, t0:t1] <= ctx.qpos[:, t0:t1, None]  # a row's picks past its causal end
+                p = sc.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1).sum(2)  # [B, C, k]
+                parts.append(self._reduce_heads(p))
+        else:
+            kv = self.kv_b_proj(keys[..., :r]).view(b, s, H, nope + cfg.v_head_dim)
+            k = torch.cat([kv[..., :nope], keys[..., None, r:].expand(b, s, H, cfg.qk_rope_head_dim)], -1)
+            q = torch.cat([q_nope, q_pe], -1)
+            step = max(1, CHUNK_ELEMS // max(1, b * H * s))
+            for t0 in range(0, t, step):
+                t1 = min(t, t0 + step)
+                logits = torch.einsum("bthd,bshd->bhts", q[:, t0:t1], k).float() * self.scale
+                m = self._allowed(ctx, t0, t1, s)
+                parts.append(self._reduce_heads(logits.masked_fill(~m[:, None], float("-inf")).softmax(-1).sum(1)))
+        p = torch.cat(parts, 1)
         entry = ctx.collect[-1]
         entry["target"] = p if entry["target"] is None else entry["target"] + p

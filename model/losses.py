@@ -167,18 +167,18 @@ def indexer_kl_loss(stats: list[dict]) -> torch.Tensor:
 
     `stats` comes from `model.run(..., collect_indexer=True)`: per indexer group, the indexer logits
     (with their graph) and the head-summed main attention of every layer of the group. With a selection
-    recorded (sparse mode) both distributions are restricted to the selected tokens; otherwise (dense
-    warm-up, or no more keys than top-k) they cover every causal token. The target is L1-normalised.
+    recorded (sparse mode) both distributions are restricted to the selected tokens: the model records both
+    at the selected keys only ([B, T, k], aligned with `sel`: what keeps long contexts at O(T·k)); logits and
+    target over every key ([B, T, S]) with a selection are restricted here. Otherwise (dense warm-up, or no more
+    keys than top-k) they cover every causal token. The target is L1-normalised.
     """
     if not stats:
         raise ValueError("no indexer statistics: run the model with collect_indexer=True on a DSA config")
     total = []
     for st in stats:
         logits, target, sel = st["index_logits"], st["target"], st["sel"]
-        if sel is not None:
-            keep = torch.zeros_like(target, dtype=torch.bool).scatter_(-1, sel, True)
-            logits = logits.masked_fill(~keep, float("-inf"))
-            target = target.masked_fill(~keep, 0.0)
+        if sel is not None and logits.shape[-1] != sel.shape[-1]:  # over every key: keep the selected ones
+            logits, target = logits.gather(-1, sel), target.gather(-1, sel)
         p = target / target.sum(-1, keepdim=True).clamp_min(1e-12)
         logq = logits.log_softmax(-1)
         kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)

@@ -9,15 +9,21 @@ going to the earlier position, returned ascending by position: exactly `stable_t
 
 Triton path, no host sync:
 
-1. `_scores_kernel` computes a tile of scores with `tl.dot` per indexer head, applies the causal mask and
-   packs each score with its position into one int64 *key*: the high 32 bits are the score's bits mapped
-   to an order-preserving signed integer (the sums start at +0.0, so no −0.0 arises to split a tie), the
-   low 32 bits are `2³¹−1−s`. Keys
-   are unique, their order is (score desc, position asc), so any exact top-k over keys is the
-   deterministic selection.
-2. `_topk_kernel` streams each row's keys in tiles of `topk` (a power of two) and keeps a running top-k
-   with a bitonic merge: `sort(max(running_desc, tile_asc))` — the elementwise max of a descending and
-   an ascending sorted list is the top half of their union.
+1. `_scores_kernel` computes a tile of scores with `tl.dot` per indexer head, applies the causal mask (−inf) and
+   writes the fp32 scores (4 bytes a key). ReLU propagates NaN, as torch's does.
+2. The top-k (`topk_rows`) is a radix select over 4-byte order-preserving keys: each fp32 score maps to an int32
+   whose signed order is the scores' order (NaN as −inf, −0.0 as +0.0: `stable_topk`'s ranking). One program
+   holds a block of a row's keys in registers and finds the TOPK-th largest key bit by bit (32 counting passes, a
+   1-bit MSB radix select), then keeps every key above it and the tied keys in position order up to TOPK (the tie
+   rule), written compacted and ascending by position. Only the causal prefix (s ≤ qpos) is read: blocks past it
+   do nothing, and a row with at most TOPK allowed keys is simply 0..TOPK−1 (what `stable_topk` picks there).
+   A row longer than one block (long decode rows, long prefill rows) is split over programs, each keeping its
+   block's top TOPK (key, position) candidates; merge passes then select over the candidates of G blocks at a
+   time, until one block's candidates remain. The global top-k is inside the union of the blocks' top-ks under
+   the same total order (score desc, position asc), so the split changes nothing.
+
+NaN scores rank as −inf on every path (they tie with masked keys and lose to every number; among −inf ties the
+earlier position wins).
 
 FP8 mode (`fp8=True`, GLM-5 / DeepSeek-V3.2 run the indexer this way): queries (per token and head) and
 keys (per token) are scaled to e4m3's range and rounded to float8_e4m3fn; the scales are folded back
@@ -39,9 +45,12 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [..., k] of the k largest entries along the last dim, ascending by position.
 
     Deterministic: among entries equal to the k-th largest value the earliest positions win, so the
-    selected *set* never depends on kernel scheduling (torch.topk gives no such guarantee on ties).
+    selected *set* never depends on kernel scheduling (torch.topk gives no such guarantee on ties). NaN ranks
+    as −inf, and −0.0 equals +0.0, as in the Triton top-k.
     """
-    scores = scores.nan_to_num(nan=float("-inf"))  # a NaN score never wins (torch.topk would rank it first)
+    # NaN ranks as -inf (torch.topk would rank it first): it ties with -inf and masked keys, the earlier position first.
+    # (Not nan_to_num(nan=-inf): that also turns -inf into the lowest finite float, ranking NaN below masked keys.)
+    scores = torch.where(scores.isnan(), float("-inf"), scores)
     thr = scores.topk(k, dim=-1).values[..., -1:]
     above = scores > thr
     tie = scores == thr
@@ -117,7 +126,7 @@ if triton is not None:
 
     @triton.jit
     def _scores_kernel(
-        q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, key_ptr,
+        q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, sc_ptr,
         T, S, t0,
         sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sks_b, sp_b, so_b, so_t,
         HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, HAS_KS: tl.constexpr, UPCAST: tl.constexpr,
@@ -140,41 +149,153 @@ if triton is not None:
             logits = tl.dot(qh, tl.trans(kt), out_dtype=tl.float32, input_precision=PREC)
             wh = tl.load(w_ptr + b * sw_b + (t0 + rows) * sw_t + h, mask=rmask, other=0.0)
             if RELU:
-                logits = tl.maximum(logits, 0.0)
+                logits = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # torch's relu keeps NaN
             acc += wh[:, None] * logits
         if HAS_KS:
             acc = acc * tl.load(ks_ptr + b * sks_b + cols, mask=cmask, other=0.0)[None, :]
         qp = tl.load(qpos_ptr + b * sp_b + t0 + rows, mask=rmask, other=0)
         acc = tl.where(cols[None, :] <= qp[:, None], acc, float("-inf"))
-        bits = acc.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = ordered * 4294967296 + (2147483647 - cols).to(tl.int64)
-        tl.store(key_ptr + b * so_b + rows[:, None] * so_t + cols[None, :], key,
+        tl.store(sc_ptr + b * so_b + rows[:, None] * so_t + cols[None, :], acc,
                  mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _topk_kernel(key_ptr, out_ptr, S, TOPK, s_row, so_row, K: tl.constexpr):
+    def _ordered(x):
+        """fp32 scores → int32 keys in the same (signed) order; NaN as −inf, −0.0 as +0.0 (`stable_topk`'s ranking)."""
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.where(x == 0.0, 0.0, x)
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    @triton.jit
+    def _select(u, valid, TOPK):
+        """Which entries of a block of keys u (int32, in position order) are in the top TOPK of the `valid` ones, ties
+        to the earlier entry; all valid ones when there are at most TOPK. A 1-bit MSB radix select finds a threshold
+        t with #(u ≥ t) ≥ TOPK: the sign, then bit by bit, keeping a bit where at least TOPK keys are ≥ the prefix
+        with it. It stops early once exactly TOPK keys are ≥ t (then every key ≥ t is selected); else t ends as the
+        TOPK-th largest key. Selected: the keys above t and the first `TOPK − #above` keys equal to t."""
+        n_valid = tl.sum(valid.to(tl.int32), 0)
+        cnt = tl.sum((valid & (u >= 0)).to(tl.int32), 0)
+        t = tl.where(cnt >= TOPK, 0, -2147483648)
+        ct = tl.where(cnt >= TOPK, cnt, n_valid)  # #(u ≥ t)
+        bit = 30
+        while (bit >= 0) & (ct > TOPK):
+            c = t | (1 << bit)
+            cnt = tl.sum((valid & (u >= c)).to(tl.int32), 0)
+            t = tl.where(cnt >= TOPK, c, t)
+            ct = tl.where(cnt >= TOPK, cnt, ct)
+            bit -= 1
+        above = valid & (u > t)
+        tie = valid & (u == t)
+        need = TOPK - tl.sum(above.to(tl.int32), 0)
+        return above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+
+    @triton.jit
+    def _emit(sel, u, pos, key_ptr, pos_ptr, out_ptr, cbase, obase, KP: tl.constexpr, FINAL: tl.constexpr):
+        """Write the selected entries compacted, in block order (= position order): as the row's answer (FINAL), or as
+        this block's candidate list of KP slots (key, position), padded with position −1."""
+        dest = tl.cumsum(sel.to(tl.int32), 0) - 1
+        if FINAL:
+            tl.store(out_ptr + obase + dest, pos.to(tl.int64), mask=sel)
+        else:
+            tl.store(key_ptr + cbase + dest, u, mask=sel)
+            tl.store(pos_ptr + cbase + dest, pos, mask=sel)
+            j = tl.arange(0, KP)
+            tl.store(pos_ptr + cbase + j, -1, mask=j >= tl.sum(sel.to(tl.int32), 0))
+
+    @triton.jit
+    def _first_keys(out_ptr, obase, TOPK, KP: tl.constexpr):
+        """A row with at most TOPK allowed keys: positions 0..TOPK−1 (its allowed keys, then the masked ones in order)."""
+        j = tl.arange(0, KP)
+        tl.store(out_ptr + obase + j, j.to(tl.int64), mask=j < TOPK)
+
+    @triton.jit
+    def _topk_block_kernel(s_ptr, qpos_ptr, key_ptr, pos_ptr, out_ptr, S, TOPK, s_row, q_row, c_row, o_row,
+                           C: tl.constexpr, KP: tl.constexpr, FINAL: tl.constexpr):
+        """Program (row, block): the top TOPK of the row's fp32 scores in [block·C, block·C + C) ∩ [0, n), n the causal
+        length min(qpos + 1, S). FINAL (one block covers the row): the row's answer; else the block's candidates."""
         row = tl.program_id(0).to(tl.int64)  # row × stride can pass 2^31 elements
-        offs = tl.arange(0, K)
-        lowest = -9223372036854775807 - 1
-        best = tl.load(key_ptr + row * s_row + offs, mask=offs < S, other=lowest)
-        best = tl.sort(best, descending=True)
-        for s0 in range(K, S, K):
-            tile = tl.load(key_ptr + row * s_row + s0 + offs, mask=s0 + offs < S, other=lowest)
-            tile = tl.sort(tile, descending=False)
-            best = tl.sort(tl.maximum(best, tile), descending=True)
-        pos = tl.where(offs < TOPK, 2147483647 - (best & 0xFFFFFFFF), 2147483647)
-        pos = tl.sort(pos, descending=False)  # the padding (offs >= TOPK) sorts last
-        tl.store(out_ptr + row * so_row + offs, pos, mask=offs < TOPK)
+        blk = tl.program_id(1)
+        n = tl.minimum(tl.load(qpos_ptr + row * q_row) + 1, S)
+        if (n > TOPK) & (blk * C < n):  # a block past the causal limit reads and writes nothing
+            offs = blk * C + tl.arange(0, C)
+            valid = offs < n
+            u = _ordered(tl.load(s_ptr + row * s_row + offs, mask=valid, other=0.0))
+            sel = _select(u, valid, TOPK)
+            _emit(sel, u, offs, key_ptr, pos_ptr, out_ptr, row * c_row + blk * KP, row * o_row, KP, FINAL)
+        else:
+            if FINAL:
+                _first_keys(out_ptr, row * o_row, TOPK, KP)
+
+    @triton.jit
+    def _topk_merge_kernel(key_ptr, pos_ptr, qpos_ptr, okey_ptr, opos_ptr, out_ptr, S, TOPK, NL, SPAN,
+                           c_row, q_row, oc_row, o_row, KP: tl.constexpr, G: tl.constexpr, FINAL: tl.constexpr):
+        """Program (row, group): the top TOPK of the candidates of lists [group·G, group·G + G) (each list: the
+        candidates of SPAN consecutive positions, KP slots); lists wholly past the causal limit were never written."""
+        row = tl.program_id(0).to(tl.int64)
+        grp = tl.program_id(1)
+        n = tl.minimum(tl.load(qpos_ptr + row * q_row) + 1, S)
+        if (n > TOPK) & (grp * G * SPAN < n):
+            j = tl.arange(0, G * KP)
+            lst = grp * G + j // KP
+            src = row * c_row + grp * G * KP + j
+            pos = tl.load(pos_ptr + src, mask=(lst < NL) & (lst * SPAN < n), other=-1)
+            valid = pos >= 0
+            u = tl.load(key_ptr + src, mask=valid, other=0)
+            sel = _select(u, valid, TOPK)
+            _emit(sel, u, pos, okey_ptr, opos_ptr, out_ptr, row * oc_row + grp * KP, row * o_row, KP, FINAL)
+        else:
+            if FINAL:
+                _first_keys(out_ptr, row * o_row, TOPK, KP)
 
 
 BLOCKS: tuple[int, int, int, int] | None = None  # (query rows, keys, warps) of the scores kernel and the top-k
-# kernel's warps; None: (16, 64, 4, 4). Set by bench/gpu.py's tile sweep (a knob for measuring, not a setting).
+# kernels' warps; None: (16, 64, 4) and `_topk_warps`. Set by bench/gpu.py's tile sweep (a knob for measuring).
+TOPK_BLOCK = 8192  # keys a top-k program holds (rounded to ≥ 2·topk for the merges): a knob (tests split short rows)
+SMS = 132  # H100/H200 SMs: a top-k with fewer programs than 2·SMS splits its rows into smaller blocks
+
+
+def _topk_warps(block: int) -> int:
+    return BLOCKS[3] if BLOCKS is not None else max(4, min(16, block // 512))
+
+
+def topk_rows(scores: torch.Tensor, qpos: torch.Tensor, topk: int) -> torch.Tensor:
+    """The Triton top-k: for each row of fp32 `scores` [R, S], the `topk` (≤ S) positions with the largest scores
+    among s ≤ qpos[r] (qpos [R]), ties to the earlier position, ascending: `stable_topk` of the row with the
+    positions past qpos set to −inf. No host sync. See the module docstring (step 2)."""
+    r, s = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        scores = scores.float().contiguous()
+    out = torch.empty(r, topk, dtype=torch.int64, device=scores.device)
+    if r == 0 or topk == 0:
+        return out
+    kp = triton.next_power_of_2(topk)
+    block = max(2 * kp, triton.next_power_of_2(TOPK_BLOCK))
+    c = max(kp, min(block, triton.next_power_of_2(s)))
+    while c > max(2 * kp, 1024) and r * triton.cdiv(s, c) < 2 * SMS:  # few rows (decode): more, smaller blocks
+        c //= 2
+    nl = triton.cdiv(s, c)
+    final = nl == 1
+    keys = torch.empty(r, 1 if final else nl * kp, dtype=torch.int32, device=scores.device)
+    pos = torch.empty_like(keys)
+    _topk_block_kernel[(r, nl)](scores, qpos, keys, pos, out, s, topk, scores.stride(0), qpos.stride(0),
+                                keys.stride(0), out.stride(0), C=c, KP=kp, FINAL=final, num_warps=_topk_warps(c))
+    fan, span = block // kp, c  # each merge program selects over `fan` lists of candidates (≥ 2)
+    while not final:
+        g = min(fan, triton.next_power_of_2(nl))
+        ng = triton.cdiv(nl, g)
+        final = ng == 1
+        okeys = keys if final else torch.empty(r, ng * kp, dtype=torch.int32, device=scores.device)
+        opos = pos if final else torch.empty_like(okeys)
+        _topk_merge_kernel[(r, ng)](keys, pos, qpos, okeys, opos, out, s, topk, nl, span, keys.stride(0),
+                                    qpos.stride(0), okeys.stride(0), out.stride(0), KP=kp, G=g, FINAL=final,
+                                    num_warps=_topk_warps(g * kp))
+        keys, pos, nl, span = okeys, opos, ng, span * g
+    return out
 
 
 def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True,
                          scores_only: bool = False) -> torch.Tensor:
-    """`scores_only`: run the scores kernel alone (its time, for the bench) and return the packed keys' last chunk."""
+    """`scores_only`: run the scores kernel alone (its time, for the bench) and return the last chunk's scores."""
     b, t, hi, d = q.shape
     s = k.shape[1]
     topk = min(topk, s)
@@ -185,30 +306,27 @@ def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True,
         q, k = q.float(), k.float()
     w = w.float().contiguous()
     q, k, qpos = q.contiguous(), k.contiguous(), qpos.contiguous()
-    kp = triton.next_power_of_2(topk)
     upcast = q.dtype != torch.float32 and (q.device.type != "cuda" or not fp8_dot_supported(q.device))
     step = max(1, CHUNK_ELEMS // max(1, s * b))
     out = torch.empty(b, t, topk, dtype=torch.int64, device=q.device)
-    bt, bs, warps, topk_warps = BLOCKS or (16, 64, 4, 4)
+    bt, bs, warps = (BLOCKS or (16, 64, 4))[:3]
     for t0 in range(0, t, step):
         n = min(step, t - t0)
-        keys = torch.empty(b, n, s, dtype=torch.int64, device=q.device)
+        scores = torch.empty(b, n, s, dtype=torch.float32, device=q.device)
         grid = (b, triton.cdiv(n, bt), triton.cdiv(s, bs))
         ks_arg = ks if ks is not None else w
         _scores_kernel[grid](
-            q, w, k, ks_arg, qpos, keys, n, s, t0,
+            q, w, k, ks_arg, qpos, scores, n, s, t0,
             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0), k.stride(1),
-            ks_arg.stride(0), qpos.stride(0), keys.stride(0), keys.stride(1),
+            ks_arg.stride(0), qpos.stride(0), scores.stride(0), scores.stride(1),
             HI=hi, D=d, BT=bt, BS=bs, HAS_KS=ks is not None, UPCAST=upcast,
             PREC="ieee", RELU=relu, num_warps=warps,
         )
         if scores_only:
             continue
-        rows = keys.view(b * n, s)
-        o = out[:, t0 : t0 + n].reshape(b * n, topk)
-        _topk_kernel[(b * n,)](rows, o, s, topk, rows.stride(0), o.stride(0), K=kp, num_warps=topk_warps)
-        out[:, t0 : t0 + n] = o.view(b, n, topk)
-    return keys if scores_only else out
+        sel = topk_rows(scores.view(b * n, s), qpos[:, t0 : t0 + n].reshape(b * n), topk)
+        out[:, t0 : t0 + n] = sel.view(b, n, topk)
+    return scores if scores_only else out
 
 
 def fp8_dot_supported(device: torch.device) -> bool:

@@ -24,13 +24,17 @@ class FakeLaunch:
     is host ints and that every tensor argument is on the meta device. With `compile_for` (a Triton `GPUTarget`) it
     also compiles the kernel for that GPU, once per specialisation (argument dtypes and constexpr values), ahead of
     time and without one (Triton's own compiler and ptxas): `compiled` maps each specialisation to {"error": None or
-    the compiler's message, "shared": the shared memory it needs per block, in bytes}."""
+    the compiler's message, "shared": the shared memory it needs per block, in bytes, "regs" / "local": registers
+    and local-memory (spill) bytes per thread (cuobjdump's resource usage; None where it is not at hand), "ttir":
+    the kernel's Triton IR}. With `launches` (a list) each launch appends {"key": its specialisation, "grid",
+    "ints": its integer arguments by name} (bench/ir_offsets.py reads the arithmetic for those values)."""
 
     def __init__(self, name: str, launched: list[str], fn=None, compile_for=None, compiled: dict | None = None,
-                 originals=None):
+                 originals=None, launches: list | None = None):
         self.name, self.launched = name, launched
         self.fn, self.compile_for, self.compiled = fn, compile_for, compiled
         self.originals = originals  # a context in which the modules hold their real kernels (and jitted helpers)
+        self.launches = launches
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -42,10 +46,14 @@ class FakeLaunch:
                 raise AssertionError(f"{self.name}: tensor arguments on {sorted(devices)}, not the device")
             self.launched.append(self.name)
             if self.compile_for is not None:
-                self._compile(args, kwargs)
+                key = self._compile(args, kwargs)
+                if self.launches is not None:
+                    ints = {n: v for n, v in zip(self.fn.arg_names, args, strict=False) if type(v) is int}
+                    ints |= {n: v for n, v in kwargs.items() if type(v) is int}
+                    self.launches.append({"key": key, "grid": tuple(dims), "ints": ints})
         return launch
 
-    def _compile(self, args, kwargs) -> None:
+    def _compile(self, args, kwargs) -> tuple:
         from triton.compiler import ASTSource
         from triton.compiler import compile as triton_compile
 
@@ -64,14 +72,38 @@ class FakeLaunch:
         key = (self.name, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
                tuple(sorted(options.items())))
         if key in self.compiled:
-            return
+            return key
         try:
             with self.originals():  # the kernel's jitted helpers (`_query`, ...) resolve to themselves, not fakes
                 k = triton_compile(ASTSource(fn=self.fn, signature=signature, constexprs=constexprs),
                                    target=self.compile_for, options=options)
-            self.compiled[key] = {"error": None, "shared": k.metadata.shared}
+            self.compiled[key] = {"error": None, "shared": k.metadata.shared, "ttir": k.asm.get("ttir"),
+                                  **_resources(k.asm.get("cubin"))}
         except Exception as e:  # the compiler's message, for the report
-            self.compiled[key] = {"error": f"{type(e).__name__}: {e}", "shared": None}
+            self.compiled[key] = {"error": f"{type(e).__name__}: {e}", "shared": None, "ttir": None, "regs": None,
+                                  "local": None}
+        return key
+
+
+def _resources(cubin: bytes | None) -> dict:
+    """{"regs", "local"} of a cubin's kernel from Triton's bundled `cuobjdump -res-usage` (None where unavailable)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    try:
+        import triton
+
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+        return {"regs": int(m.group(1)), "local": int(m.group(2))}
+    except Exception:
+        return {"regs": None, "local": None}
 
 
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -92,9 +124,9 @@ def _triton_type(v) -> str:
 
 
 @contextlib.contextmanager
-def on_meta(compile_for=None, compiled: dict | None = None) -> Iterator[list[str]]:
+def on_meta(compile_for=None, compiled: dict | None = None, launches: list | None = None) -> Iterator[list[str]]:
     """Every temper kernel op takes its Triton branch and launches a `FakeLaunch`; restored on exit. Yields the list
-    the launches append their kernel names to. `compile_for`, `compiled`: see `FakeLaunch`."""
+    the launches append their kernel names to. `compile_for`, `compiled`, `launches`: see `FakeLaunch`."""
     import triton.runtime
 
     import temper_kernels as tk
@@ -125,7 +157,7 @@ def on_meta(compile_for=None, compiled: dict | None = None) -> Iterator[list[str
             for name, obj in list(vars(mod).items()):
                 if isinstance(obj, triton.runtime.KernelInterface):
                     patch(mod, name, FakeLaunch(name, launched, obj, compile_for, compiled if compiled is not None
-                                                else {}, originals))
+                                                else {}, originals, launches))
         # as on a Hopper GPU: `torch._grouped_mm` in bf16 (it has a meta kernel), else the Triton grouped GEMM and its
         # device-built schedule
         patch(moe, "_torch_grouped_ok", lambda xs, w: hasattr(torch, "_grouped_mm") and xs.dtype == w.dtype ==

@@ -6,7 +6,8 @@ MLA's latent `[c_kv (DV) | k_pe (DR)]`:
     s[h, j] = scale · q[t, h] · kv[idx[t, j]]            (q absorbed: [q_nope·W_UK | q_pe], DV + DR wide)
     o[t, h] = Σ_j softmax_j(s[h, :]) · kv[idx[t, j], :DV]
 
-A selected index is used iff 0 ≤ idx ≤ qpos[t] (causal; −1 pads). A query without a usable key gets 0.
+A selected index is used iff 0 ≤ idx ≤ qpos[t] (causal; −1 pads). A query without a usable key gets 0; a NaN
+in a query head or in a usable row makes that head's output NaN (twin and kernel alike, never zeros).
 The FLOPs are 2·H·K·(2·DV + DR) per query, independent of the context length: this is where DSA saves
 compute in training and prefill, and where decode reads K rows of the cache in place.
 
@@ -36,9 +37,12 @@ def sparse_mla_reference(q, kv, idx, qpos, scale: float, dv: int, slots: torch.T
     rows = slots if slots is not None else torch.arange(b, device=q.device)
     valid = _valid(idx, qpos)
     g = kv[rows[:, None, None], idx.clamp_min(0)]  # [B,T,K,D]
+    g = torch.where(valid[..., None], g, 0.0)  # unusable rows read as 0, as in the kernel: a NaN in one stays out
     s = torch.einsum("bthd,btkd->bthk", q, g).float() * scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # a row with no usable key: all -inf → NaN → 0
+    # a query with no usable key (all -inf → NaN) gets 0, as in the kernel; a NaN score (a NaN query head, a NaN row
+    # of the cache) stays NaN, as in the kernel: never turned into zeros
+    p = torch.softmax(s, -1).masked_fill(~valid.any(-1)[:, :, None, None], 0.0)
     return torch.einsum("bthk,btkv->bthv", p.to(q.dtype), g[..., :dv])
 
 
@@ -69,7 +73,8 @@ if triton is not None:
     def _query(q_ptr, T, H, sq_b, sq_t, sq_h, DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr):
         """This program's (row, token, head ids, head mask) and its absorbed query, split [DV | DR]."""
         bt = tl.program_id(0)
-        b, t = bt // T, bt % T
+        # 64-bit token offsets: b·sq_b and t·sq_t pass 2^31 elements at GLM-5's shapes (64 heads × 576: 58,255 tokens)
+        b, t = (bt // T).to(tl.int64), (bt % T).to(tl.int64)
         hh = tl.program_id(1) * BH + tl.arange(0, BH)
         hm = hh < H
         qb = q_ptr + b * sq_b + t * sq_t + hh[:, None] * sq_h

@@ -21,7 +21,9 @@ routing weight (so the second GEMM's output is not kept for the weights' gradien
 
 `route(logits, bias, ...)` is the router's selection (sigmoid scores, the bias for selection only,
 group-limited top-k, normalised and scaled weights): on the Triton path the selection is one fused kernel,
-`route_reference` writes it with torch's device ops. Neither syncs with the host.
+`route_reference` writes it with torch's device ops. Neither syncs with the host. Both pick the same experts in the
+same order: exact ties go to the lowest group and expert id, a NaN score ranks above every number. A call with no
+tokens returns an empty result on both paths.
 """
 
 from __future__ import annotations
@@ -52,18 +54,27 @@ def _route_weights(scores, idx, norm: bool, scaling: float):
     return w * scaling
 
 
+def _best(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, best first: ties to the lowest index, NaN ranked as +inf (the
+    fused kernel's rule; torch.topk's order on ties is its own, and differed from the kernel's)."""
+    x = torch.where(x.isnan(), float("inf"), x)
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def route_reference(logits, bias, k: int, n_group: int, topk_group: int, scoring: str, norm: bool, scaling: float):
-    """The torch twin of `route` (device ops, no host sync either)."""
+    """The torch twin of `route` (device ops, no host sync either): the same experts in the same order as the kernel,
+    ties included (the lowest group, then the lowest expert id), a NaN choice ranked above every number."""
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(-1)
     choice = scores + bias
+    choice = torch.where(choice.isnan(), float("inf"), choice)
     n, e = choice.shape
     if n_group > 1 and topk_group < n_group:
         g = choice.view(n, n_group, e // n_group)
-        group_scores = g.topk(2, dim=-1).values.sum(-1)
-        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_scores = g.topk(2, dim=-1).values.sum(-1)  # values only: the order of ties does not matter here
+        keep = _best(group_scores, topk_group)  # inf + (-inf) = NaN: a group holding a NaN expert ranks first
         gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~gmask[:, :, None].expand_as(g).reshape(n, e), float("-inf"))  # no repeat_interleave
-    idx = choice.topk(k, dim=-1).indices
+    idx = _best(choice, k)
     return idx, _route_weights(scores, idx, norm, scaling)
 
 
@@ -96,8 +107,15 @@ def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def _no_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The result of a call with no (token, expert) pair (no tokens, or k = 0): zeros like x, in x's and w's graph."""
+    return torch.zeros_like(x) + (x[:0].sum() + w.sum()).to(x.dtype)  # both sums are of nothing: exactly 0
+
+
 def moe_experts_reference(x, idx, w, gate_up, down) -> torch.Tensor:
     """The torch twin: a loop over experts on their contiguous slices (host sync on the counts)."""
+    if idx.numel() == 0:
+        return _no_rows(x, w)
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -120,6 +138,8 @@ def moe_experts_reference(x, idx, w, gate_up, down) -> torch.Tensor:
 def moe_experts(x, idx, w, gate_up, down) -> torch.Tensor:
     if backend(x, gate_up) == "reference":
         return moe_experts_reference(x, idx, w, gate_up, down)
+    if idx.numel() == 0:  # (a shape, known on the host: no sync)
+        return _no_rows(x, w)
     n, k = idx.shape
     e = gate_up.shape[0]
     flat = idx.reshape(-1)
@@ -216,7 +236,8 @@ if triton is not None:
             m1 = tl.max(c, 1)
             a1 = tl.argmax(c, 1)
             m2 = tl.max(tl.where(j[None, :] == a1[:, None], neg, c), 1)
-            gs = tl.where(gi < G, m1 + m2, neg)
+            gs = m1 + m2
+            gs = tl.where(gi < G, tl.where(gs != gs, float("inf"), gs), neg)  # inf + (-inf): a NaN expert's group first
             keep = gi < 0
             for _ in tl.static_range(TOPG):  # the best group not kept yet, the lowest id on a tie
                 free = (gi < G) & ~keep
@@ -249,19 +270,23 @@ if triton is not None:
         if e < E:
             row0 = tl.load(tile_row_ptr + tile)
             end = tl.load(ends_ptr + e)
-            rows = row0 + tl.arange(0, BM)
+            r = tl.arange(0, BM)
+            rows = row0 + r
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             rm, cm = rows < end, cols < NOUT
+            # 64-bit bases: row × stride and expert × stride pass 2^31 elements at GLM-5's shapes (0.5M routed rows
+            # × 6144; 256 experts × 4096 × 6144); the offsets within a tile stay 32-bit
+            xb = x_ptr + row0.to(tl.int64) * sx_m
+            wb = w_ptr + e.to(tl.int64) * sw_e
             acc = tl.zeros((BM, BN), tl.float32)
             for k0 in range(0, KIN, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < KIN
-                a = tl.load(x_ptr + rows[:, None] * sx_m + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-                b = tl.load(w_ptr + e * sw_e + cols[None, :] * sw_n + kk[:, None] * sw_k,
-                            mask=km[:, None] & cm[None, :], other=0.0)
+                a = tl.load(xb + r[:, None] * sx_m + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+                b = tl.load(wb + cols[None, :] * sw_n + kk[:, None] * sw_k, mask=km[:, None] & cm[None, :], other=0.0)
                 acc += tl.dot(a, b, input_precision=PREC)
-            tl.store(y_ptr + rows[:, None] * sy_m + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=rm[:, None] & cm[None, :])
+            tl.store(y_ptr + row0.to(tl.int64) * sy_m + r[:, None] * sy_m + cols[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
     @triton.jit
     def _gmm_dw_kernel(
@@ -275,13 +300,18 @@ if triton is not None:
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
         acc = tl.zeros((BN, BK), tl.float32)
+        r = tl.arange(0, BM)
+        # row × stride passes 2^31 elements at GLM-5's shapes: 64-bit bases, advanced a tile at a time
+        dyp = dy_ptr + start.to(tl.int64) * sdy_m + r[:, None] * sdy_m + cols[None, :]
+        xp = x_ptr + start.to(tl.int64) * sx_m + r[:, None] * sx_m + kk[None, :]
         for r0 in range(start, end, BM):
-            rows = r0 + tl.arange(0, BM)
-            rm = rows < end
-            dy = tl.load(dy_ptr + rows[:, None] * sdy_m + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-            xx = tl.load(x_ptr + rows[:, None] * sx_m + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            rm = r0 + r < end
+            dy = tl.load(dyp, mask=rm[:, None] & cm[None, :], other=0.0)
+            xx = tl.load(xp, mask=rm[:, None] & km[None, :], other=0.0)
             acc += tl.dot(tl.trans(dy), xx, input_precision=PREC)
-        tl.store(dw_ptr + e * sdw_e + cols[:, None] * sdw_n + kk[None, :], acc.to(dw_ptr.dtype.element_ty),
+            dyp += BM * sdy_m
+            xp += BM * sx_m
+        tl.store(dw_ptr + e.to(tl.int64) * sdw_e + cols[:, None] * sdw_n + kk[None, :], acc.to(dw_ptr.dtype.element_ty),
                  mask=cm[:, None] & km[None, :])
 
 

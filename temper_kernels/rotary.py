@@ -64,7 +64,7 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, G, sxr, sxg, syr, syg, HALF: tl.constexpr, BG: tl.constexpr,
                      BH: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr, SIGN: tl.constexpr):
-        r = tl.program_id(0)
+        r = tl.program_id(0).to(tl.int64)  # r × sxr passes 2^31 elements (GLM-5's q slice: past 131,072 tokens)
         g = tl.program_id(1) * BG + tl.arange(0, BG)
         i = tl.arange(0, BH)
         im = i < HALF

@@ -2,6 +2,7 @@
 (the kernel section's kernels are covered one by one in test_kernels.py) and writes figures, not errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,22 @@ def test_megatron_gpu_bench_smoke_writes_every_section(tmp_path):
     assert res["speed"]["megatron_sequential_over_torch"] > 0
 
 
+def test_gpu_checks_smoke_compares_every_kernel_with_its_twin_and_measures_fp8(tmp_path):
+    """bench/gpu_checks.py --smoke (what `bash bench/gpu_run.sh checks` runs at full size): the kernels that wrapped
+    past 2³¹ elements (sparse MLA, rope, both grouped-GEMM offsets) under the interpreter against their twins on the
+    checked rows, and the FP8 agreement rows, written to checks.json."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TEMPER_KERNELS")}
+    r = subprocess.run([sys.executable, str(ROOT / "bench/gpu_checks.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "checks.json").read_text())
+    rows = res["offsets"]
+    assert len(rows) == 4 and all(row["ok"] for row in rows.values()), rows
+    assert rows["sparse MLA fwd+bwd"]["dq_rest"] == 0.0 and 0 < rows["sparse MLA fwd+bwd"]["o"] < 1e-5  # the kernel
+    assert set(res["fp8"]) == {"gaussian T32 S128 k16", "tiny-base"}
+    assert all(0.5 < row["mean"] <= 1 and row["rows"] > 0 for row in res["fp8"].values()), res["fp8"]
+
+
 def test_activation_memory_counts_each_saved_storage_once():
     """bench/activation_memory.py's accounting against a hand count: `x * w` saves both operands (512 B each in
     fp32), a second product of views of the same tensors saves no new storage, and `exp` saves its output."""
@@ -66,20 +83,26 @@ def test_activation_memory_counts_each_saved_storage_once():
 @pytest.mark.slow
 def test_every_kernel_the_cuda_paths_launch_compiles_for_an_h200(tmp_path):
     """bench/triton_compile.py: each Triton kernel specialisation the CUDA paths launch (training forward+backward,
-    the captured decode step, the FP8 indexer; tiny in fp32, the 2B config in bf16) compiled for sm_90 by
+    the captured decode step, the FP8 indexer; tiny in fp32, GLM-5's shapes in bf16) compiled for sm_90 by
     Triton's compiler and ptxas, without a GPU, within the H200's shared memory. The interpreter the other kernel
-    tests use accepts things the compiler does not; this is where those would show."""
-    import os
+    tests use accepts things the compiler does not; this is where those would show. At GLM-5's shapes (a 132K-token
+    sequence, 16 × 4096 tokens, a 64 × 128K decode cache) no kernel's i32 address arithmetic may wrap: every kernel
+    is checked, launch by launch (bench/ir_offsets.py)."""
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TEMPER_KERNELS")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compiled here, not taken from an earlier run's cache
-    r = subprocess.run([sys.executable, str(ROOT / "bench/triton_compile.py"), "--sizes", "2B"], capture_output=True,
-                       text=True, timeout=900, cwd=ROOT, env=env)  # (524M: the same kernels at other widths)
+    # (the 2B and 524M configs: the same kernels, at GLM-5's MLA widths, with other norm and MLP blocks)
+    r = subprocess.run([sys.executable, str(ROOT / "bench/triton_compile.py"), "--sizes", "glm5"], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT, env=env)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
     assert "specialisations, 0 failed" in r.stdout
-    for kernel in ("_fwd_kernel", "_bwd_kernel", "_scores_kernel", "_topk_kernel", "_gmm_kernel", "_gmm_dw_kernel",
-                   "_route_kernel", "_swiglu_fwd", "_swiglu_bwd", "_rms_fwd", "_rms_bwd", "_rope_kernel"):
+    kernels = ("_fwd_kernel", "_bwd_kernel", "_scores_kernel", "_topk_block_kernel", "_topk_merge_kernel", "_gmm_kernel",
+               "_gmm_dw_kernel", "_route_kernel", "_swiglu_fwd", "_swiglu_bwd", "_rms_fwd", "_rms_bwd", "_rope_kernel")
+    for kernel in kernels:
         assert kernel in r.stdout, kernel
+    offsets = [line for line in r.stdout.splitlines() if line.startswith("offsets at GLM-5 shapes:")]
+    assert len(offsets) == 1 and offsets[0].endswith("; 0 wrap"), offsets
+    assert set(kernels) <= set(offsets[0].split("kernels ")[1].split(";")[0].split()), offsets
 
 
 def test_activation_memory_bench_runs_and_chunks_keep_less():

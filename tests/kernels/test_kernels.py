@@ -70,7 +70,7 @@ def _grid_inputs(b, t, s, hi, d, seed=0):
 
 @pytest.mark.parametrize("topk,blocks", [(16, None), (12, None), (12, (32, 16, 8, 2))])  # a power of two, one that
 def test_indexer_topk_selects_the_identical_set_ties_included(triton_mode, topk, blocks, monkeypatch):  # pads the
-    monkeypatch.setattr(kix, "BLOCKS", blocks)  # bitonic tiles, and another tiling (a point of bench/gpu.py's sweep)
+    monkeypatch.setattr(kix, "BLOCKS", blocks)  # candidate lists (k < KP), and another tiling (bench/gpu.py's sweep)
     q, w, k = _grid_inputs(1, 4, 40, 2, 16)
     w[0, 1] = 0.0  # query 1: every score is 0 → the earliest positions win
     qpos = torch.tensor([[39, 5, 20, 33]])

@@ -69,7 +69,7 @@ def test_the_captured_decode_step_never_reads_the_device(triton_on_meta):
             logits = graphs.step(_meta(4, 1), torch.arange(4, device="meta"), torch.ones(4, dtype=torch.long,
                                                                                          device="meta"), n_keys)
         assert logits.shape == (4, 1, cfg.vocab_size) and host.mixed == [], (n_keys, host.mixed)
-        sparse = {"_scores_kernel", "_topk_kernel", "_fwd_kernel"}
+        sparse = {"_scores_kernel", "_topk_block_kernel", "_fwd_kernel"}
         assert sparse <= set(triton_on_meta) if n_keys > cfg.index_topk else not sparse & set(triton_on_meta)
         assert {"_gmm_kernel", "_rms_fwd"} <= set(triton_on_meta)
 
@@ -89,7 +89,7 @@ def test_a_training_forward_and_backward_never_read_the_device(triton_on_meta):
         loss = ce + out.logits.float().mean() + mtp_logits.float().mean() + indexer_kl_loss(out.indexer_stats)
         loss.backward()
     assert host.mixed == []
-    assert {"_scores_kernel", "_topk_kernel", "_fwd_kernel", "_bwd_kernel", "_gmm_kernel", "_gmm_dw_kernel",
+    assert {"_scores_kernel", "_topk_block_kernel", "_fwd_kernel", "_bwd_kernel", "_gmm_kernel", "_gmm_dw_kernel",
             "_rms_fwd", "_rms_bwd"} <= set(triton_on_meta)
     assert model.embed_tokens.weight.grad is not None and model.embed_tokens.weight.grad.device.type == "meta"
 
