@@ -129,7 +129,7 @@ def cmd_run(args) -> int:
 
     warnings.filterwarnings("ignore", message=".*is currently in (preview|beta).*")
 
-    con = Console()
+    con = Console(soft_wrap=True)  # a path or the hint command is not broken across lines (they are copied)
     import configs
     from assets.launch import LaunchRefused, check_parent, check_run_config, iteration_number
 
