@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--top", type=int, default=6, help="the largest savers to list per config (chunked LM step)")
     args = ap.parse_args()
-    from gpu import hf_config
+    from gpu_common import hf_config
 
     import model.losses as losses
     from model import ModelConfig, Transformer, lm_forward_loss, mtp_loss, token_logprobs

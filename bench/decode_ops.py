@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["524M", "2B"], choices=["524M", "2B"])
     ap.add_argument("--top", type=int, default=8, help="the most frequent aten ops to list per config")
     args = ap.parse_args()
-    from gpu import hf_config
+    from gpu_common import hf_config
 
     from model import KVCache, ModelConfig, Transformer
     from rollout.engine import DecodeGraphs, EngineStats

@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--max-shared", type=int, default=232448,
                     help="shared memory a block may use, bytes (sm_90: 227 KiB, the H200's opt-in maximum)")
     args = ap.parse_args()
-    from gpu import hf_config
+    from gpu_common import hf_config
     from triton.backends.compiler import GPUTarget
 
     import configs

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.sandbox import make_sandbox
+from envs.sandbox import SandboxUnavailable, make_sandbox
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +12,16 @@ def sandbox():
     if shutil.which("bwrap") is None:
         pytest.fail("bubblewrap is required for the environment tests: apt-get install bubblewrap (make test does)")
     return make_sandbox("bwrap")
+
+
+@pytest.fixture(scope="module", params=["bwrap", "docker"])
+def each_sandbox(request):
+    """Both isolated sandboxes, one after the other (a test that takes it runs in each)."""
+    try:
+        return make_sandbox(request.param)
+    except SandboxUnavailable as e:
+        pytest.fail(f"the {request.param} sandbox is required here ({e}); `make test` installs bubblewrap and "
+                    "docker.io and starts dockerd")
 
 
 @pytest.fixture

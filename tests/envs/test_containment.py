@@ -18,20 +18,16 @@ import pytest
 
 from envs import FAMILIES, Action, Environment, run_script
 from envs.environment import WorkspaceError
-from envs.sandbox import SANDBOX_UID, SandboxUnavailable, make_sandbox
+from envs.sandbox import SANDBOX_UID
 from envs.spec import Check, Verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 AS_ROOT = os.geteuid() == 0
 
 
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
-def sandbox(request):
-    try:
-        return make_sandbox(request.param)
-    except SandboxUnavailable as e:
-        pytest.fail(f"the {request.param} sandbox is required here ({e}); `make test` installs bubblewrap and "
-                    "docker.io and starts dockerd")
+@pytest.fixture(scope="module")
+def sandbox(each_sandbox):  # bwrap, then Docker (tests/envs/conftest.py)
+    return each_sandbox
 
 
 def _py(code):

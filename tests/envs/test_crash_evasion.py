@@ -16,16 +16,11 @@ import json
 import pytest
 
 from envs import FAMILIES, Action, run_script
-from envs.sandbox import SandboxUnavailable, make_sandbox
 
 
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
-def sandbox(request):
-    try:
-        return make_sandbox(request.param)
-    except SandboxUnavailable as e:
-        pytest.fail(f"the {request.param} sandbox is required here ({e}); `make test` installs bubblewrap and "
-                    "docker.io and starts dockerd")
+@pytest.fixture(scope="module")
+def sandbox(each_sandbox):  # bwrap, then Docker (tests/envs/conftest.py)
+    return each_sandbox
 
 
 DONE = Action("done", {}).render()

@@ -15,20 +15,16 @@ from pathlib import Path
 import pytest
 
 from envs import FAMILIES, Action, run_script
-from envs.sandbox import QUOTA_INODES, SandboxUnavailable, make_sandbox
+from envs.sandbox import QUOTA_INODES
 from envs.spec import Check
 
 DONE = Action("done", {}).render()
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
-def sandbox(request):
-    try:
-        return make_sandbox(request.param)
-    except SandboxUnavailable as e:
-        pytest.fail(f"the {request.param} sandbox is required here ({e}); `make test` installs bubblewrap and "
-                    "docker.io and starts dockerd")
+@pytest.fixture(scope="module")
+def sandbox(each_sandbox):  # bwrap, then Docker (tests/envs/conftest.py)
+    return each_sandbox
 
 
 def _py(code):

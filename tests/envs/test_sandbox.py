@@ -12,13 +12,9 @@ from envs import sandbox as sbmod
 from envs.sandbox import Limits, SandboxUnavailable, make_sandbox
 
 
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
-def sandbox(request):
-    try:
-        return make_sandbox(request.param)
-    except SandboxUnavailable as e:
-        pytest.fail(f"the {request.param} sandbox is required here ({e}); `make test` installs bubblewrap and "
-                    "docker.io and starts dockerd")
+@pytest.fixture(scope="module")
+def sandbox(each_sandbox):  # bwrap, then Docker (tests/envs/conftest.py)
+    return each_sandbox
 
 
 # files the engine itself puts in every container's /etc (no host secrets: the container's own names)

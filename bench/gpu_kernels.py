@@ -1,0 +1,246 @@
+"""The kernels section of the GPU bench (bench/gpu.py): each Triton kernel against its torch reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+
+
+from gpu_common import PEAK_GBS, PEAK_TFLOPS, bench, kernel_mode, peak_gib, peak_reset, record, table  # noqa: E402
+
+import temper_kernels as kernels  # noqa: E402
+from temper_kernels import indexer as kix  # noqa: E402
+from temper_kernels import mla as kmla  # noqa: E402
+from temper_kernels import moe as kmoe  # noqa: E402
+from temper_kernels import norm as knorm  # noqa: E402
+from temper_kernels import rotary as krope  # noqa: E402
+
+
+def section_kernels(dev, dtype, smoke: bool) -> None:
+    g = torch.Generator(dev).manual_seed(0)
+    rows = []
+
+    def both(name, ref_fn, tri_fn, flops=None, nbytes=None, check=None):
+        try:
+            with kernel_mode("reference"):
+                t_ref = bench(ref_fn, dev)
+            with kernel_mode("triton"):
+                t_tri = bench(tri_fn, dev)
+            rate = (f"{flops / t_tri / 1e12:,.1f} TFLOP/s ({100 * flops / t_tri / 1e12 / PEAK_TFLOPS:.0f}%)" if flops
+                    else f"{nbytes / t_tri / 1e9:,.0f} GB/s ({100 * nbytes / t_tri / 1e9 / PEAK_GBS:.0f}%)")
+            extra = check() if check else ""
+        except Exception as e:  # one kernel's failure (compile, resources) must not lose the others' figures
+            rows.append([name, "—", "—", "—", "—", f"{type(e).__name__}: {str(e)[:120]}"])
+            record("kernels", name, {"error": f"{type(e).__name__}: {e}"})
+            return
+        rows.append([name, f"{1e3 * t_ref:.3f}", f"{1e3 * t_tri:.3f}", t_ref / t_tri, rate, extra])
+        record("kernels", name, {"ref_ms": 1e3 * t_ref, "triton_ms": 1e3 * t_tri, "rate": rate, "check": extra})
+
+    # lightning indexer + top-k (GLM-5: 32 heads × 128, top-2048)
+    t, s, hi, d, topk = (8, 64, 2, 16, 16) if smoke else (2048, 8192, 32, 128, 2048)
+    q = torch.randn(1, t, hi, d, device=dev, generator=g)
+    w = torch.randn(1, t, hi, device=dev, generator=g)
+    k = torch.randn(1, s, d, device=dev, generator=g)
+    qpos = (torch.arange(t, device=dev) + (s - t))[None]
+    fl = 2 * t * s * hi * d
+
+    def agree(fp8):
+        """fp32: is the kernel's set the twin's? fp8: the share of the fp32 selection the fp8 one keeps."""
+        with kernel_mode("triton"):
+            a = kernels.indexer_topk(q, w, k, qpos, topk, fp8=fp8)
+        with kernel_mode("reference"):
+            r = kix.indexer_topk_reference(q, w, k, qpos, topk)
+        if not fp8:
+            return f"identical set: {torch.equal(a, r)}"  # both ascending by position
+        hits = sum(int((a[0, i:i + 64, :, None] == r[0, i:i + 64, None, :]).any(-1).sum()) for i in range(0, t, 64))
+        return f"agreement with fp32 top-k {hits / r.numel():.4f}"
+
+    both("indexer top-k fp32", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk),
+         lambda: kernels.indexer_topk(q, w, k, qpos, topk), flops=fl, check=lambda: agree(False))
+    both("indexer top-k fp8", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=True),
+         lambda: kernels.indexer_topk(q, w, k, qpos, topk, fp8=True), flops=fl, check=lambda: agree(True))
+
+    # the fp32 indexer's two kernels apart (fp32 scores; the radix-select top-k), over a few tilings:
+    # (query rows, keys, warps) of the scores kernel and the top-k kernel's warps
+    sweep = []
+    want_sel = kix.indexer_topk_reference(q, w, k, qpos, topk)
+    for blocks in ([(16, 64, 4, 4), (32, 16, 8, 2)] if smoke else
+                   [(16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 8, 4), (32, 128, 8, 4), (16, 64, 4, 8), (16, 64, 4, 16)]):
+        kix.BLOCKS = blocks
+        try:
+            with kernel_mode("triton"):
+                same = torch.equal(kernels.indexer_topk(q, w, k, qpos, topk), want_sel)
+                t_all = bench(lambda: kernels.indexer_topk(q, w, k, qpos, topk), dev)
+                t_sc = bench(lambda: kix._indexer_topk_triton(q, w, k, qpos, topk, False, scores_only=True), dev)
+            res = {"all_ms": 1e3 * t_all, "scores_ms": 1e3 * t_sc, "topk_ms": 1e3 * (t_all - t_sc),
+                   "scores_tflops": fl / t_sc / 1e12, "identical_set": same}
+            sweep.append([str(blocks), f"{1e3 * t_all:.3f}", f"{1e3 * t_sc:.3f}", f"{1e3 * (t_all - t_sc):.3f}",
+                          f"{fl / t_sc / 1e12:,.1f}", same])
+        except Exception as e:  # out of resources: a row that says so
+            res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            sweep.append([str(blocks), "—", "—", "—", "—", res["error"][:80]])
+        finally:
+            kix.BLOCKS = None
+        record("kernels", f"indexer_tiles {blocks}", res)
+    table("fp32 indexer top-k tilings (scores: rows, keys, warps; top-k warps)", [
+        "tiles", "all ms", "scores ms", "top-k ms", "scores TFLOP/s", "identical set"], sweep)
+
+    # sparse MLA (FlashMLA's shapes: 64 heads, d 576/512, top-2048)
+    t, h, dv, dr, kk, s = (8, 4, 32, 16, 16, 64) if smoke else (4096, 64, 512, 64, 2048, 8192)
+    qm = (torch.randn(1, t, h, dv + dr, device=dev, generator=g) * 0.1).to(dtype).requires_grad_()
+    kv = (torch.randn(1, s, dv + dr, device=dev, generator=g) * 0.1).to(dtype).requires_grad_()
+    qp = (torch.arange(t, device=dev) + (s - t))[None]
+    idx = torch.sort(torch.rand(1, t, s, device=dev, generator=g).masked_fill(
+        torch.arange(s, device=dev) > qp[..., None], -1).topk(kk, -1).indices, -1).values
+    scale = (dv + dr) ** -0.5
+    fl_f = 2 * t * h * kk * (dv + dr + dv)
+    with torch.no_grad():
+        o_r = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv)
+        try:
+            with kernel_mode("triton"):
+                o_t = kernels.sparse_mla(qm, kv, idx, qp, scale, dv)
+            err = (o_t.float() - o_r.float()).abs().max().item()
+        except Exception as e:
+            o_t, err = o_r, float("nan")
+            print(f"sparse MLA kernel failed: {type(e).__name__}: {e}", flush=True)
+    with torch.no_grad():
+        both("sparse MLA forward", lambda: kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv),
+             lambda: kernels.sparse_mla(qm, kv, idx, qp, scale, dv), flops=fl_f, check=lambda: f"max |Δ| {err:.1e}")
+    go = torch.randn_like(o_t)
+
+    def fb(ref: bool):
+        o = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv) if ref else kernels.sparse_mla(qm, kv, idx, qp,
+                                                                                                  scale, dv)
+        torch.autograd.grad(o, (qm, kv), go)
+
+    def grad_check() -> str:
+        """The Triton backward's gradients against the reference's (max |Δ| / max |ref|, per input)."""
+        o_ref = kmla.sparse_mla_reference(qm, kv, idx, qp, scale, dv)
+        want = torch.autograd.grad(o_ref, (qm, kv), go)
+        with kernel_mode("triton"):
+            got = torch.autograd.grad(kernels.sparse_mla(qm, kv, idx, qp, scale, dv), (qm, kv), go)
+        r = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, want)]
+        return f"grad rel dq {r[0]:.1e}, dkv {r[1]:.1e}"
+
+    both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5, check=grad_check)
+
+    # the sparse MLA tiles: (heads, keys, warps) per program. Fewer heads per program load each selected row more
+    # times (64 heads / BH programs per query); more heads need more registers for the [BH, 512] accumulator
+    sweep = []
+    for blocks in ([(16, 16, 4), (32, 16, 8)] if smoke else
+                   [(16, 32, 4), (16, 32, 8), (32, 32, 8), (64, 32, 8), (16, 64, 4), (32, 64, 8), (64, 16, 8)]):
+        kmla.BLOCKS = blocks
+        try:
+            with torch.no_grad(), kernel_mode("triton"):
+                err = (kernels.sparse_mla(qm, kv, idx, qp, scale, dv).float() - o_r.float()).abs().max().item()
+                t_f = bench(lambda: kernels.sparse_mla(qm, kv, idx, qp, scale, dv), dev)
+            with kernel_mode("triton"):
+                t_fb = bench(lambda: fb(False), dev)
+            res = {"fwd_ms": 1e3 * t_f, "fwd_tflops": fl_f / t_f / 1e12, "fwdbwd_ms": 1e3 * t_fb,
+                   "max_abs_err": err}
+            sweep.append([str(blocks), f"{1e3 * t_f:.3f}", f"{fl_f / t_f / 1e12:,.1f}", f"{1e3 * t_fb:.3f}", err])
+        except Exception as e:  # out of registers or shared memory: a row that says so
+            res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            sweep.append([str(blocks), "—", "—", "—", res["error"][:80]])
+        finally:
+            kmla.BLOCKS = None
+        record("kernels", f"sparse_mla_tiles {blocks}", res)
+    table("sparse MLA tiles (heads, keys, warps per program)", ["tiles", "forward ms", "forward TFLOP/s",
+                                                                "fwd+bwd ms", "max |Δ| vs reference"], sweep)
+
+    # MoE grouped GEMM (the 524M config's expert shapes, 16K tokens)
+    n, hd, inter, e, topk_e = (64, 32, 16, 4, 2) if smoke else (16384, 1024, 704, 32, 4)
+    x = torch.randn(n, hd, device=dev, generator=g).to(dtype)
+    gu = (torch.randn(e, 2 * inter, hd, device=dev, generator=g) * hd**-0.5).to(dtype)
+    dn = (torch.randn(e, hd, inter, device=dev, generator=g) * inter**-0.5).to(dtype)
+    eidx = torch.rand(n, e, device=dev, generator=g).topk(topk_e, -1).indices
+    ew = torch.rand(n, topk_e, device=dev, generator=g).to(dtype)
+    fl_m = 2 * n * topk_e * 3 * hd * inter
+    with torch.no_grad():
+        with kernel_mode("triton"):
+            y_t = kernels.moe_experts(x, eidx, ew, gu, dn)
+        y_r = kmoe.moe_experts_reference(x, eidx, ew, gu, dn)
+        rel = ((y_t.float() - y_r.float()).norm() / y_r.float().norm()).item()
+        both("MoE experts (grouped GEMM)", lambda: kmoe.moe_experts_reference(x, eidx, ew, gu, dn),
+             lambda: kernels.moe_experts(x, eidx, ew, gu, dn), flops=fl_m, check=lambda: f"rel. error {rel:.1e}")
+
+    # RMSNorm
+    n, d = (64, 48) if smoke else (32768, 2048)
+    xn = torch.randn(n, d, device=dev, generator=g).to(dtype)
+    wn = torch.ones(d, device=dev, dtype=dtype)
+    with torch.no_grad():
+        both("RMSNorm forward", lambda: knorm.rms_norm_reference(xn, wn, 1e-6), lambda: kernels.rms_norm(xn, wn, 1e-6),
+             nbytes=2 * xn.numel() * xn.element_size())
+    # rotary: the query's rotary slice of a GLM-5-sized batch (64 heads, r = 64), cos/sin broadcast over the heads
+    b_, t_, h_, r_ = (2, 8, 4, 16) if smoke else (4, 4096, 64, 64)
+    qf = torch.randn(b_, t_, h_, 128 + r_, device=dev, generator=g).to(dtype)
+    ang = torch.randn(b_, t_, 1, r_ // 2, device=dev, generator=g)
+    cs, sn = ang.cos().to(dtype), ang.sin().to(dtype)
+    with torch.no_grad():
+        err = (kernels.rope(qf[..., 128:], cs, sn, True).float()
+               - krope.rope_reference(qf[..., 128:].float(), cs.float(), sn.float(), True)).abs().max().item()
+        both("rotary (rope) forward", lambda: krope.rope_reference(qf[..., 128:], cs, sn, True),
+             lambda: kernels.rope(qf[..., 128:], cs, sn, True), nbytes=2 * b_ * t_ * h_ * r_ * qf.element_size(),
+             check=lambda: f"max |Δ| vs fp32 {err:.1e}")
+    # SwiGLU with the routing weight, forward+backward, on the experts' rows (16K tokens × top-4, width 704) read in
+    # place from their [g | u]
+    m_, i_ = (64, 48) if smoke else (65536, 704)
+    gu_rows = torch.randn(m_, 2 * i_, device=dev, generator=g).to(dtype).requires_grad_()
+    rw = torch.rand(m_, device=dev, generator=g).to(dtype).requires_grad_()
+    dy_s = torch.randn(m_, i_, device=dev, generator=g).to(dtype)
+
+    def swiglu_fb(ref: bool):
+        gg, uu = gu_rows.chunk(2, -1)
+        y = kernels.swiglu_reference(gg, uu, rw) if ref else kernels.swiglu(gg, uu, rw)
+        y.backward(dy_s)
+        gu_rows.grad = rw.grad = None
+
+    with torch.no_grad(), kernel_mode("triton"):
+        gg, uu = gu_rows.chunk(2, -1)
+        err_s = (kernels.swiglu(gg, uu, rw).float() - kernels.swiglu_reference(gg.float(), uu.float(),
+                                                                               rw.float())).abs().max().item()
+    both("SwiGLU (routing weight) fwd+bwd", lambda: swiglu_fb(True), lambda: swiglu_fb(False),
+         nbytes=(2 * m_ * 2 * i_ + 2 * m_ * i_) * gu_rows.element_size(), check=lambda: f"max |Δ| vs fp32 {err_s:.1e}")
+    # the router's selection: 16K tokens, GLM-5's 256 experts in 8 groups keeping 4, top-8
+    n_, e_ = (64, 32) if smoke else (16384, 256)
+    lg = torch.randn(n_, e_, device=dev, generator=g)
+    rb = torch.randn(e_, device=dev, generator=g) * 0.1
+    with torch.no_grad():
+        with kernel_mode("triton"):
+            ri_t, _ = kernels.route(lg, rb, 8, 8, 4, "sigmoid", True, 2.5)
+        ri_r, _ = kmoe.route_reference(lg, rb, 8, 8, 4, "sigmoid", True, 2.5)
+        same = (ri_t == ri_r).all(-1).float().mean().item()
+        both("router selection (256 experts, 8 groups, top-8)",
+             lambda: kmoe.route_reference(lg, rb, 8, 8, 4, "sigmoid", True, 2.5),
+             lambda: kernels.route(lg, rb, 8, 8, 4, "sigmoid", True, 2.5), nbytes=lg.numel() * 4,
+             check=lambda: f"same experts and order: {100 * same:.1f}% of tokens")
+    table("kernels vs torch references", ["kernel", "reference ms", "triton ms", "speed-up", "rate (% of H200 peak)",
+                                          "check"], rows)
+
+    # chunked cross-entropy: peak memory of the loss on a 150K vocabulary
+    n, hdim, vocab = (64, 32, 300) if smoke else (16384, 2048, 151552)
+    hid = torch.randn(n, hdim, device=dev, generator=g).to(dtype).requires_grad_()
+    wv = (torch.randn(vocab, hdim, device=dev, generator=g) * 0.02).to(dtype).requires_grad_()
+    tg = torch.randint(0, vocab, (n,), device=dev, generator=g)
+    mem = {}
+    for name, fn in (("full logits", lambda: F.cross_entropy(F.linear(hid, wv).float(), tg)),
+                     ("chunked", lambda: knorm.chunked_cross_entropy(hid, wv, tg))):
+        peak_reset(dev)
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        fn().backward()
+        mem[name] = (peak_gib(dev) - base / 2**30) if dev.type == "cuda" else float("nan")
+        hid.grad = wv.grad = None
+    record("kernels", "cross_entropy_peak_gib", mem)
+    table(f"cross-entropy peak memory above inputs, {n} rows × {vocab} vocab", ["path", "GiB"],
+          [[k, v] for k, v in mem.items()])
+
+
+# ---- 3. decode -----------------------------------------------------------------------------------------------
