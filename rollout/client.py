@@ -11,6 +11,18 @@ class EngineUnavailable(RuntimeError):
     """The server could not be reached or died mid-request (the router retries elsewhere)."""
 
 
+def _decoded(r: httpx.Response, where: str) -> Any:
+    """A reply's JSON object (or list: a batch); anything else is a broken worker (EngineUnavailable: the router
+    retries elsewhere), never an exception from deep in the caller."""
+    try:
+        got = r.json()
+    except ValueError:
+        raise EngineUnavailable(f"{where}: HTTP {r.status_code} with a body that is not JSON: {r.text[:120]!r}") from None
+    if not isinstance(got, (dict, list)):
+        raise EngineUnavailable(f"{where}: HTTP {r.status_code} with a JSON {type(got).__name__}, not an object")
+    return got
+
+
 class EngineClient:
     scores = True  # answers pure-scoring requests; the agent checks `exact_scoring` in the reply
 
@@ -27,7 +39,7 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
             raise ValueError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
-        return r.json()
+        return _decoded(r, self.url + path)
 
     async def _get(self, path: str) -> Any:
         try:
@@ -35,7 +47,7 @@ class EngineClient:
         except (httpx.TransportError, httpx.TimeoutException) as e:
             raise EngineUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
         r.raise_for_status()
-        return r.json()
+        return _decoded(r, self.url + path)
 
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *, return_logprob: bool = True,
                        session_id: str | None = None, rid: str | None = None, logprob_start_len: int = -1) -> dict:

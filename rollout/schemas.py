@@ -40,7 +40,7 @@ class UpdateFromDisk(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str
-    weight_version: str | int | None = None
+    weight_version: Any = None  # checked by parse_version (a bool or float is refused there, not coerced)
     abort_all_requests: bool = False
     flush_cache: bool = False
     load_format: str | None = None
@@ -50,7 +50,7 @@ class UpdateFromTensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     serialized_named_tensors: str  # base64 of a safetensors blob
-    weight_version: str | int | None = None
+    weight_version: Any = None  # checked by parse_version (a bool or float is refused there, not coerced)
     flush_cache: bool = False
     abort_all_requests: bool = False
 
@@ -99,10 +99,11 @@ class ChatBody(BaseModel):
 
 
 def parse_version(v) -> int | None:
-    """A weight version from JSON: an integer in [0, 2**63) or its decimal string; None for anything else (floats,
-    booleans, 1e999 — which JSON decodes to inf, once a 500 here)."""
-    if isinstance(v, str) and v.strip().isdigit():
+    """A weight version from JSON: an integer in [0, 2**31) or its decimal string; None for anything else (floats,
+    booleans, 1e999 — which JSON decodes to inf, once a 500 here; negatives: -1 means "no version" in the store;
+    2**31 and above: the store keeps versions as int32)."""
+    if isinstance(v, str) and v.strip().isdigit() and len(v.strip()) <= 12:
         v = int(v.strip())
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
         return None
     return v

@@ -58,6 +58,17 @@ def _reason(err: ValidationError | RequestValidationError) -> str:
     return "; ".join(parts)
 
 
+def _version_or_raise(v) -> int | None:
+    """A weight update's `weight_version`: None (keep counting), else what `parse_version` accepts ([0, 2**31)),
+    else a ValueError (the update's 400)."""
+    if v is None:
+        return None
+    got = parse_version(v)
+    if got is None:
+        raise ValueError(f"weight_version {str(v)[:40]!r}: expected an integer in [0, 2**31)")
+    return got
+
+
 def bad(msg: str, code: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "code": code}}, status_code=code)
 
@@ -66,8 +77,8 @@ async def _json_object(request: Request) -> dict | JSONResponse:
     """The request's JSON object, or a 400 saying why not (malformed JSON was once a 500)."""
     try:
         body = await request.json()
-    except ValueError as e:
-        return bad(f"malformed JSON: {e}")
+    except (ValueError, RecursionError) as e:  # (nested past the parser's recursion limit: once a 500)
+        return bad(f"malformed JSON: {type(e).__name__}: {str(e)[:200]}")
     if not isinstance(body, dict):
         return bad("expected a JSON object")
     return body
@@ -201,6 +212,8 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             return bad(str(e), 503)
         except EngineError as e:
             return bad(str(e))
+        except UnicodeError as e:  # text the tokenizer cannot encode (a lone surrogate): the caller's
+            return bad(f"text cannot be encoded: {e}")
         await until_done(request, reqs)
         failed = [r for r in reqs if (r.finish or {}).get("error")]
         if failed:  # the engine failed (not the request): say so, never a 200 with a silent abort
@@ -222,7 +235,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDisk):
         try:
-            v = int(body.weight_version) if body.weight_version is not None else None
+            v = _version_or_raise(body.weight_version)
             res = await in_control(engine.update_weights, path=body.model_path, version=v,
                                    flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
         except Exception as e:  # noqa: BLE001 - a missing, corrupt or mismatched checkpoint: the old weights stay
@@ -236,7 +249,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
         try:
             sd = st_load(base64.b64decode(body.serialized_named_tensors))
-            v = int(body.weight_version) if body.weight_version is not None else None
+            v = _version_or_raise(body.weight_version)
             res = await in_control(engine.update_weights, state_dict=sd, version=v,
                                    flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
         except Exception as e:  # noqa: BLE001 - bad payloads are the caller's error
@@ -252,7 +265,7 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
             return bad("expected {\"new_version\": ...}")
         v = parse_version(body["new_version"])
         if v is None:
-            return bad(f"new_version must be an integer from 0 to 2**63 - 1 (or its decimal string), got "
+            return bad(f"new_version must be an integer from 0 to 2**31 - 1 (or its decimal string), got "
                        f"{str(body['new_version'])[:40]!r}")
         engine.version = v
         return {"success": True, "message": f"weight version {engine.version}"}
@@ -295,7 +308,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
         if engine.paused:
             return paused
         r = GenRequest([engine.tok.eos_id], SamplingParams(max_new_tokens=1))
-        engine.submit(r)
+        try:
+            engine.submit(r)
+        except QueueFull as e:  # busy, not broken: 503, as the other endpoints say it
+            return bad(str(e), 503)
         fut = asyncio.wrap_future(r.future)
         while not fut.done():
             await asyncio.wait([fut], timeout=0.05)
@@ -370,7 +386,10 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        ids = engine.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        try:
+            ids = engine.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        except UnicodeError as e:  # a lone surrogate: the caller's, once a 500
+            return bad(f"prompt cannot be encoded: {e}")
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         sp = SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, stop=stop, sampling_seed=body.seed)

@@ -100,3 +100,49 @@ def test_openai_replies_carry_their_weight_version(server):
         assert r.status_code == 200 and r.json()["weight_version"] == "31"
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["weight_version"] == "31"
+
+
+def test_a_fresh_fault_round_s_inputs_are_4xx_and_versions_stay_in_the_store_s_range(server):
+    """What a later fault round sent: text with a lone surrogate (a 500 from the tokenizer, and the next request on the
+    connection reset), JSON nested past the parser's recursion limit, weight versions the store cannot hold (negative:
+    -1 means "no version"; 2**31 and above: the columns are int32) on the weight endpoints, which once took any int."""
+    srv, eng = server
+    v = eng.version
+    with _http(srv) as c:
+        for path, body in (("/generate", b'{"text": "a\\ud800b", "sampling_params": {"max_new_tokens": 2}}'),
+                           ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}')):
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "cannot be encoded" in r.text, (path, r.text)
+        deep = b'{"new_version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = c.post("/update_weight_version", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        sd = {k: t.detach().clone() for k, t in eng.model.state_dict().items()}
+        import base64
+
+        from safetensors.torch import save as st_save
+
+        blob = base64.b64encode(st_save(sd)).decode()
+        for bad in (-5, -1, 2**31, 2**70, True, "1" * 30):
+            r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": blob, "weight_version": bad})
+            assert r.status_code == 400 and "weight_version" in r.json()["message"], (bad, r.text)
+        assert eng.version == v
+        r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": blob, "weight_version": 2**31 - 1})
+        assert r.status_code == 200 and eng.version == 2**31 - 1
+        assert c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_a_worker_replying_with_something_other_than_json_is_unavailable_not_a_crash():
+    import asyncio
+
+    from rollout.client import EngineClient, EngineUnavailable
+
+    def handler(request):
+        return httpx.Response(200, content=b"<html>gateway</html>" if request.url.path == "/generate" else b"[1, 2]")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            c = EngineClient("http://w", client=http)
+            with pytest.raises(EngineUnavailable, match="not JSON"):
+                await c._post("/generate", {"input_ids": [1]})
+            assert await c._post("/other", {}) == [1, 2]  # a list is a batch reply
+    asyncio.run(main())
