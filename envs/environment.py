@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .actions import Action, ActionError, parse_action
 from .bounded import BoundsError, loads
-from .sandbox import TOOLS_DIR, Limits, RunResult, Sandbox
+from .sandbox import Limits, RunResult, Sandbox
 from .spec import Check, TaskSpec
 from .tools.check import tag
 
@@ -125,22 +125,53 @@ def printable(s: str) -> str:
     return "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in s)
 
 
-def remove_tree(path: Path) -> None:
+def remove_tree(path: Path, *empty: Path) -> None:
     """Remove a tree an agent may have made (any depth, links not followed) without walking it in this process:
-    coreutils `rm` walks it iteratively; a deep tree once made `shutil.rmtree` raise RecursionError."""
+    coreutils `rm` walks it iteratively; a deep tree once made `shutil.rmtree` raise RecursionError. `empty`: the
+    directories the tree should hold and nothing else (unmounted tmpfs mount points): removed with rmdir, and `rm`
+    runs only if something else is there."""
+    try:
+        for d in empty:
+            d.rmdir()
+        path.rmdir()
+        return
+    except OSError:
+        pass
     if os.path.lexists(path):
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, check=False)
 
 
-def _as_user(uid: int | None):
-    def drop():
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    return drop if uid is not None else None
+def _set_up(workspace: Path, files: dict[str, str], uid: int | None) -> str | None:
+    """Write a spec's files into the fresh `workspace` (tools/setup.py: relative paths only, no link followed), as
+    `uid` when temper is root: in a forked child that drops to it first (no interpreter to start: a fork costs about
+    a millisecond where a `python` process took 20). None, or why it refused."""
+    from .tools.setup import write_all
 
-
-SETUP = (TOOLS_DIR / "setup.py").read_text()
+    if uid is None:  # not root: nothing to drop, and the writer's own checks hold
+        return write_all(files, str(workspace))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls and the writer, then _exit (nothing of the parent's runs on)
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            why = write_all(files, str(workspace))
+            if why:
+                os.write(w, why.encode("utf-8", "backslashreplace")[:2000])
+            else:
+                code = 0
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, whatever it was
+            os.write(w, f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace")[:2000])
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read().decode("utf-8", "replace")
+    _, status = os.waitpid(pid, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else (said or f"the set-up exited {status}")
 
 
 def _normalise(s: str, how: str) -> str:
@@ -182,16 +213,15 @@ class Environment:
         opens through a link."""
         if self._quota:  # the workspace is its own size-limited filesystem: a fresh one, not an emptied one
             self.sandbox.unmount_quota(self.workspace)
-        remove_tree(self.workspace)
+            self._quota = False
+        if os.path.lexists(self.workspace):
+            remove_tree(self.workspace)
         self.workspace.mkdir(parents=True)
         self._quota = self.sandbox.mount_quota(self.workspace, self.limits.workspace_bytes)
         self.workspace.chmod(0o777)
-        r = subprocess.run([self.sandbox.python(), "-I", "-S", "-c", SETUP], cwd=self.workspace,
-                           input=json.dumps({"files": self.spec.files}).encode(), capture_output=True,
-                           preexec_fn=_as_user(self.sandbox.run_as()), timeout=60, check=False)
-        if r.returncode != 0:
-            raise WorkspaceError(f"{self.spec.id}: the workspace could not be set up: "
-                                 f"{r.stderr.decode(errors='replace').strip()[-300:]}")
+        why = _set_up(self.workspace, self.spec.files, self.sandbox.run_as())
+        if why:
+            raise WorkspaceError(f"{self.spec.id}: the workspace could not be set up: {why[-300:]}")
         self.turns, self.answer, self.done, self.log = 0, None, False, []
         return self.spec.instruction
 
@@ -337,7 +367,7 @@ class Environment:
         finally:
             if quota:
                 sb.unmount_quota(work)
-            remove_tree(vdir)
+            remove_tree(vdir, work)
         try:
             v = loads(lines[-1], max(self.limits.output_bytes, 1 << 16), VERDICT_DEPTH) if len(lines) > 1 else None
         except BoundsError as e:
@@ -369,7 +399,9 @@ class Environment:
         if self._quota:
             self.sandbox.unmount_quota(self.workspace)
             self._quota = False
-        remove_tree(self._tmp)
+            remove_tree(self._tmp, self.workspace)  # (the workspace was its own tmpfs: gone with the unmount)
+        else:
+            remove_tree(self._tmp)
 
     def __enter__(self) -> Environment:
         return self

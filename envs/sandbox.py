@@ -159,6 +159,36 @@ def _make_stage() -> tuple[Path, Path]:
     return d / "tools", d / "site"
 
 
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc
+
+
+def _libc_mount_tmpfs(path: Path, opts: str) -> int:
+    """mount(2) a tmpfs (nosuid, nodev) on `path`: 0, or the errno."""
+    import ctypes
+
+    rc = _c().mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode())
+    return 0 if rc == 0 else (ctypes.get_errno() or 1)
+
+
+def _libc_umount(path: Path) -> int:
+    """umount2(2) `path`, detached (lazy): 0, or the errno."""
+    import ctypes
+
+    rc = _c().umount2(os.fsencode(path), _MNT_DETACH)
+    return 0 if rc == 0 else (ctypes.get_errno() or 1)
+
+
 class _Cgroup:
     """Per-run cgroup (v1 `pids`/`memory` or v2) for limits rlimits cannot give root."""
 
@@ -374,7 +404,8 @@ class Sandbox(ABC):
             shutil.rmtree(d, ignore_errors=True)
 
     def unmount_quota(self, path: Path) -> None:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+        if _libc_umount(path) != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
     def host_cwd(self, workspace: Path) -> str | None:
         return None
@@ -453,13 +484,12 @@ class BwrapSandbox(_MountedLayout, Sandbox):
         if not self._root or self._no_mount:
             return False
         # inodes capped too: extended attributes and empty files take kernel memory outside `size`
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)},nr_inodes={QUOTA_INODES},mode=0777,"
-                            "nosuid,nodev", "tmpfs",
-                            str(path)], capture_output=True, check=False)
-        if r.returncode != 0:
+        opts = f"size={int(size)},nr_inodes={QUOTA_INODES},mode=0777"
+        err = _libc_mount_tmpfs(path, opts)  # a syscall, not a `mount` process: once per workspace and per check
+        if err:
             self._no_mount = True
-            log.warning("no workspace disk quota: mounting a tmpfs failed (%s)", r.stderr.decode().strip())
-        return r.returncode == 0
+            log.warning("no workspace disk quota: mounting a tmpfs failed (%s)", os.strerror(err))
+        return not err
 
     def info(self) -> dict:
         probe = _Cgroup(Limits()) if self._root else None

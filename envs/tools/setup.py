@@ -1,5 +1,6 @@
-"""Workspace set-up (stdlib only), run on the host as the sandbox's unprivileged user, never as root: reads
-{"files": {relative path: text}} as JSON on stdin and creates them under the current directory (a fresh, empty
+"""Workspace set-up (stdlib only), run on the host as the sandbox's unprivileged user, never as root: `write_all`
+(called in a forked child that dropped to that user, envs/environment.py), or as a script reading
+{"files": {relative path: text}} as JSON on stdin, creates them under the current directory (a fresh, empty
 workspace). Each path is checked again here (relative, no `..`, no empty or `.` component); directories are made
 one component at a time, and no component or file is ever opened through a link (O_NOFOLLOW, O_EXCL), so nothing
 is written outside the workspace whatever the spec says. Exit 0, or 1 with the offending path on stderr."""
@@ -36,20 +37,31 @@ def write(root_fd, rel, text):
         os.close(fd)
 
 
+def write_all(files, root_dir="."):
+    """Write every file under `root_dir`; the first refusal as "'path': why", or None."""
+    old = os.umask(0)
+    root = os.open(root_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for rel, text in files.items():
+            why = bad(rel)
+            if why is None:
+                try:
+                    write(root, rel, text)
+                except OSError as e:
+                    why = f"{type(e).__name__}: {e.strerror}"
+            if why:
+                return f"{rel!r}: {why}"
+        return None
+    finally:
+        os.close(root)
+        os.umask(old)
+
+
 def main():
-    os.umask(0)
-    files = json.loads(sys.stdin.read())["files"]
-    root = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
-    for rel, text in files.items():
-        why = bad(rel)
-        if why is None:
-            try:
-                write(root, rel, text)
-            except OSError as e:
-                why = f"{type(e).__name__}: {e.strerror}"
-        if why:
-            print(f"{rel!r}: {why}", file=sys.stderr)
-            sys.exit(1)
+    why = write_all(json.loads(sys.stdin.read())["files"])
+    if why:
+        print(why, file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
