@@ -338,6 +338,15 @@ def load_training_state(dir: str | os.PathLike) -> TrainingState:
     newest = latest_checkpoint(root)
     candidates = [newest] + [p for _, p in reversed(complete_checkpoints(root)) if p != newest]
     skipped: list[tuple[Path, str]] = []
+    # a step directory newer than the one resumed from, but incomplete (its meta.json gone: a save completes by
+    # renaming a temporary directory, so this is damage, not a save cut short) is passed over loudly too
+    m = _STEP_DIR.match(newest.name)
+    if m and root.is_dir():
+        for p in sorted(root.iterdir()):
+            n = _STEP_DIR.match(p.name)
+            if n and p.is_dir() and int(n.group(1)) > int(m.group(1)) and not is_complete(p):
+                skipped.append((p, "incomplete: no meta.json"))
+                log.warning("training state %s is incomplete (no meta.json) and skipped; resuming from %s", p, newest)
     for path in candidates:
         try:
             state = _read_state(path)

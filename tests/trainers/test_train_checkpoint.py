@@ -312,3 +312,19 @@ def test_resume_falls_back_to_the_newest_intact_state_loudly(tmp_path, caplog):
     state.verified = False
     with pytest.raises(ChecksumError, match="model.safetensors"):
         restore(state.__class__(**{**state.__dict__, "path": middle}), model2, trainer2.opt)
+
+
+def test_a_newer_state_without_its_meta_is_passed_over_loudly(tmp_path, caplog):
+    """The newest step directory lost its meta.json (a save completes by renaming, so this is damage): the resume
+    takes the newest complete state, and says which newer one it passed over and why, instead of saying nothing."""
+    import logging
+
+    model, trainer = _trainer()
+    for step in (1, 2, 3):
+        _train(trainer, 1, seed=step)
+        _save(tmp_path, model, trainer, step)
+    (tmp_path / "step-00000003" / "meta.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="trainers.checkpoint"):
+        state = load_training_state(tmp_path)
+    assert state.step == 2 and state.skipped == [(tmp_path / "step-00000003", "incomplete: no meta.json")]
+    assert f"training state {tmp_path / 'step-00000003'} is incomplete" in "\n".join(r.getMessage() for r in caplog.records)
