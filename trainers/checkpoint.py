@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from model import Transformer, load_checkpoint, save_checkpoint
-from model.checkpoint import file_sha256, replace_dir, to_hf_state, verify_checkpoint, verify_files
+from model.checkpoint import ChecksumError, file_sha256, replace_dir, to_hf_state, verify_checkpoint, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,11 @@ def _read_state(path: Path) -> TrainingState:
     meta = json.loads((path / META).read_text())
     if meta.get("files"):  # states saved before checksums were recorded are read unchecked
         verify_files(path, meta["files"], what="training state")
-    verify_checkpoint(path / POLICY)
+    if not verify_checkpoint(path / POLICY)["checked"]:
+        # temper writes a policy's checksums with it (temper.json): a policy without them cannot be vouched for, and
+        # reporting it verified would let `restore` load it unchecked
+        raise ChecksumError(f"{path / POLICY}: no recorded checksums (its temper.json is missing or has none); "
+                            "its weights cannot be verified")
     payload = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
     if payload.get("format") != FORMAT:
         raise ValueError(f"{path / TRAINER}: unknown checkpoint format {payload.get('format')!r} (expected {FORMAT})")

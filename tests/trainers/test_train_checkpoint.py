@@ -328,3 +328,20 @@ def test_a_newer_state_without_its_meta_is_passed_over_loudly(tmp_path, caplog):
         state = load_training_state(tmp_path)
     assert state.step == 2 and state.skipped == [(tmp_path / "step-00000003", "incomplete: no meta.json")]
     assert f"training state {tmp_path / 'step-00000003'} is incomplete" in "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_state_whose_policy_lost_its_checksums_is_not_resumed_as_verified(tmp_path):
+    """The newest state's policy without its temper.json, and a byte of its weights flipped: it cannot be vouched for,
+    so it is skipped like a damaged one (it was resumed, reported verified, and restored unchecked)."""
+    model, trainer = _trainer()
+    for step in (1, 2):
+        _train(trainer, 1, seed=step)
+        _save(tmp_path, model, trainer, step)
+    pol = tmp_path / "step-00000002" / "policy"
+    (pol / "temper.json").unlink()
+    data = bytearray((pol / "model.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (pol / "model.safetensors").write_bytes(bytes(data))
+    state = load_training_state(tmp_path)
+    assert state.step == 1 and state.skipped[0][0] == tmp_path / "step-00000002"
+    assert "no recorded checksums" in state.skipped[0][1]
