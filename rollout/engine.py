@@ -294,7 +294,14 @@ class Engine(SpeculativeDecoding):
     def _update(self, path, state_dict, version, flush_cache, abort_all) -> dict:
         t0 = time.perf_counter()
         if path is not None:
-            sd = load_checkpoint(path).state_dict()
+            loaded = load_checkpoint(path)
+            theirs, ours = loaded.config.model_dump(mode="json"), self.model.config.model_dump(mode="json")
+            differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            if differ:  # the engine would compute with its own config on another model's weights
+                said = ", ".join(f"{k}={theirs.get(k)!r} here {ours.get(k)!r}" for k in differ[:3])
+                raise EngineError(f"weights do not match the model: the checkpoint at {path} has another config "
+                                  f"({len(differ)} keys differ: {said})")
+            sd = loaded.state_dict()
             if version is None:
                 version = read_checkpoint_meta(path).get("policy_version")
         elif state_dict is not None:
@@ -302,9 +309,10 @@ class Engine(SpeculativeDecoding):
         else:
             raise EngineError("update_weights needs a checkpoint path or a state dict")
         own = self.model.state_dict()
-        missing = set(own) - set(sd)
-        if missing:
-            raise EngineError(f"weights do not match the model: missing {sorted(missing)[:5]}")
+        missing, extra = set(own) - set(sd), set(sd) - set(own)
+        if missing or extra:  # (extra weights once passed: a 3-layer checkpoint loaded into 2 layers, silently)
+            raise EngineError(f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected "
+                              f"{sorted(extra)[:5]}")
         with torch.no_grad():
             for k, v in own.items():
                 if v.shape != sd[k].shape:

@@ -146,3 +146,24 @@ def test_a_worker_replying_with_something_other_than_json_is_unavailable_not_a_c
                 await c._post("/generate", {"input_ids": [1]})
             assert await c._post("/other", {}) == [1, 2]  # a list is a batch reply
     asyncio.run(main())
+
+
+def test_weights_of_another_model_are_refused_not_half_loaded(server, tmp_path):
+    """A checkpoint of another config (a third layer, another rope theta) was loaded with 200: the engine kept its own
+    config and dropped the extra layer. And a tensor payload with a weight the model lacks was accepted."""
+    import base64
+
+    from safetensors.torch import save as st_save
+
+    srv, eng = server
+    v = eng.version
+    cfg = eng.model.config.model_copy(update={"rope_theta": eng.model.config.rope_theta * 7})
+    save_checkpoint(Transformer(cfg), tmp_path / "other", policy_version=9)
+    with _http(srv) as c:
+        r = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "other")})
+        assert r.status_code == 400 and "has another config" in r.json()["message"] and "rope_theta" in r.json()["message"]
+        sd = {k: t.detach().clone() for k, t in eng.model.state_dict().items()}
+        sd["model.layers.99.extra.weight"] = torch.zeros(2)
+        r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(st_save(sd)).decode()})
+        assert r.status_code == 400 and "unexpected ['model.layers.99.extra.weight']" in r.json()["message"]
+    assert eng.version == v
