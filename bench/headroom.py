@@ -20,7 +20,6 @@ tasks and the same sampling seeds (`agent.seed`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,23 +32,10 @@ BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 
 
 def sampled(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16) -> list[list[float]]:
-    """Each task's k rewards, the agent sampling at its configured temperature (the k-th rollout of a task samples
-    its own stream, as GRPO groups do)."""
-    from rollout.agent import Agent, run_episodes
-    from rollout.backend import InProcessBackend
+    """Each task's k rewards (the curriculum's probe: `stages.curriculum.sample_rewards`)."""
+    from stages.curriculum import sample_rewards
 
-    backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.agent.max_context + 8)
-
-    async def go():
-        async with backend.session() as policy:
-            agent = Agent(policy, tok, sb, cfg.agent)
-            return await run_episodes(agent, [s for s in specs for _ in range(k)], concurrency=n_slots)
-
-    try:
-        trajs = asyncio.run(go())
-    finally:
-        backend.close()
-    return [[t.reward for t in trajs[i * k:(i + 1) * k]] for i in range(len(specs))]
+    return sample_rewards(model, specs, k, cfg, tok, sb, n_slots)
 
 
 def headroom(greedy: list[float], samples: list[list[float]]) -> dict:

@@ -7,6 +7,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+class CurriculumConfig(BaseModel):
+    """The RL set's pattern mix, chosen each iteration from what the policy it trains can do (`stages/curriculum.py`):
+    the policy iteration N starts from samples `probe_samples` episodes on each of `probe_tasks` fresh tasks of every
+    pattern of `envs.rl_patterns` (the ladder), and the RL set's `n_rl` tasks go to the patterns whose samples both
+    succeed and fail, in proportion to that signal. A pattern it solves (sampled success ≥ `saturated`) gives way to
+    the next rung; one it never solves gets `frontier_share` of the set when it is the first unsolved rung above a
+    rung with signal, else nothing. Off: the RL set cycles `envs.rl_patterns` evenly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    probe_tasks: int = Field(default=10, ge=2)
+    probe_samples: int = Field(default=2, ge=2)  # per task: 2 tells whether a task's samples disagree
+    saturated: float = Field(default=0.9, gt=0.0, le=1.0)
+    frontier_share: float = Field(default=0.05, ge=0.0, le=0.5)
+    min_tasks: int = Field(default=4, ge=1)  # a chosen pattern gets at least this many of the RL set's tasks
+
+
 class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -34,6 +52,7 @@ class EnvConfig(BaseModel):
     mine_every: int = Field(default=1, gt=0)  # the trajectory miner reads every k-th rewarded rollout (1: all)
     probe_every: int = Field(default=1, gt=0)  # hack-probe every k-th environment (1: all); the triad runs on all
     validate_workers: int = Field(default=4, gt=0)  # environments validated at once (probes mostly wait on limits)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
     @field_validator("patterns", "eval_patterns", "rl_patterns")
     @classmethod

@@ -18,7 +18,7 @@ from .common import (
     under_torchrun,
 )
 from .distill import WARM_TEACHER, opd_student, taught_domains, teacher_cell, teacher_gate
-from .environments import _task_content, env_specs, rl_set, verified_envs
+from .environments import env_specs, rl_set, verified_envs
 from .evaluating import evaluation
 from .experts import _mismatch_summary, _read_warm, constant_patterns, replay_ids, sao_expert, skip_reason
 from .recorder import Recorder
@@ -27,7 +27,7 @@ from .warm import _rank_checksums, _same_model, check_base, hand_off, resolve_ba
 
 __all__ = [
     'ITERATION_SEED_STRIDE', 'ROLLOUT_CHUNK', 'SAO_CURVES', 'WARM_TEACHER', 'WARM_VERSION', '_backend', '_dump',
-    '_mismatch_summary', '_no_metrics', '_quiet', '_rank_checksums', '_read_warm', '_same_model', '_task_content',
+    '_mismatch_summary', '_no_metrics', '_quiet', '_rank_checksums', '_read_warm', '_same_model',
     'check_base', 'constant_patterns', 'env_specs', 'evaluation', 'hand_off', 'opd_student', 'replay_ids',
     'resolve_base', 'rewards', 'rl_set', 'rollout_batches', 'sao_expert', 'skip_reason', 'taught_domains',
     'teacher_cell', 'teacher_gate', 'trajectory_actions', 'under_torchrun', 'verified_envs', 'warm_start',

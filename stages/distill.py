@@ -228,7 +228,8 @@ def opd_student(cfg, init: str, experts: dict[str, str], envs: dict, out: Path, 
     if not main:
         return {}
     save_checkpoint(final, out / "checkpoint", policy_version=2)
-    return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts, "anchored": anchored,
+    return {**ranks, "checkpoint": str(out / "checkpoint"), "steps": len(hist), "teachers": experts,
+            "trained_tokens": int(sum(h.get("tokens", 0) for h in hist)), "anchored": anchored,
             "resumed_from_step": start, "init": cfg.opd.init, "merged_from": merged_from, "gate": gate,
             "reverse_kl": [h.get("reverse_kl", 0.0) for h in hist], "pool": pool.stats().as_dict(),
             "backend": backend.kind, "stored_trajectories": rec.written, "stored_consumption": rec.rows,

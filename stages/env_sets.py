@@ -61,9 +61,14 @@ def held_out(e, bc) -> tuple[list, int]:
     return generate_disjoint(e.held_out_patterns, e.n_eval, e.eval_seed, "held-out", base_recipe_contents(bc))
 
 
-def build_sets(e, bc) -> dict:
+def build_sets(e, bc, rl_mix=None) -> dict:
     """Every set `e` asks for (`e`: the iteration's EnvConfig, its seeds already offset by the iteration), checked
-    disjoint. Returns {"eval", "val", "train", "rl": specs or None, "skipped": {set: tasks skipped}}."""
+    disjoint. Returns {"eval", "val", "train", "rl": specs or None, "skipped": {set: tasks skipped}}.
+
+    `rl_mix(excluded)`: the curriculum (`stages/curriculum.py`): given the contents no RL task may have (held-out and
+    validation), returns ({pattern: tasks}, extra sets to check disjoint from the held-out set, e.g. its probe
+    tasks); the RL set then draws that many of each pattern, interleaved. Without it, the RL set cycles
+    `e.rl_source_patterns`."""
     held, skipped = held_out(e, bc)
     out: dict = {"eval": held, "val": None, "train": None, "rl": None, "skipped": {"eval": skipped}}
     held_c = {task_content(s) for s in held}
@@ -72,11 +77,24 @@ def build_sets(e, bc) -> dict:
                                                               held_c)
     if e.n_train or not e.n_rl:
         out["train"], out["skipped"]["train"] = generate_disjoint(e.patterns, e.n_train, e.seed, "sft", held_c)
+    extra: dict = {}
     if e.n_rl:
         val_c = {task_content(s) for s in out["val"] or []}
-        out["rl"], out["skipped"]["rl"] = generate_disjoint(e.rl_source_patterns, e.n_rl, e.rl_seed, "rl",
-                                                            held_c | val_c)
+        if rl_mix is None:
+            out["rl"], out["skipped"]["rl"] = generate_disjoint(e.rl_source_patterns, e.n_rl, e.rl_seed, "rl",
+                                                                held_c | val_c)
+        else:
+            from .curriculum import interleave
+
+            mix, extra = rl_mix(held_c | val_c)
+            per, out["skipped"]["rl"] = {}, 0
+            for p, n in mix.items():
+                per[p], sk = generate_disjoint([p], n, e.rl_seed, "rl", held_c | val_c)
+                out["skipped"]["rl"] += sk
+            out["rl"] = interleave(per)
     check_disjoint({k: out[k] for k in ("eval", "val", "rl") if out[k] is not None})
+    for name, specs in extra.items():
+        check_disjoint({"eval": out["eval"], name: specs})
     if out["train"] is not None:
         check_disjoint({"eval": out["eval"], "train": out["train"]})
     return out

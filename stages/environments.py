@@ -12,10 +12,14 @@ from .common import (
 )
 
 
-def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
+def env_specs(cfg, out: Path, iteration: int = 1, parent_checkpoint: str | None = None, log=_quiet) -> dict:
     """Generate the iteration's environments: the held-out set (the same every iteration, so iterations compare),
     the RL set and, without a base checkpoint, the SFT set — fresh instances every iteration (seeds offset by
-    the iteration), so RL never revisits environments an earlier iteration trained on."""
+    the iteration), so RL never revisits environments an earlier iteration trained on.
+
+    With `envs.curriculum.enabled`, the RL set's pattern mix is chosen by the frontier curriculum
+    (`stages/curriculum.py`) from samples of the policy this iteration starts from: `parent_checkpoint` (what
+    iteration N−1 handed off), else the shipped base."""
     from envs.dataset import write_dataset
 
     from .env_sets import build_sets
@@ -23,7 +27,26 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
     off = ITERATION_SEED_STRIDE * (iteration - 1)
     e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + off, "rl_seed": cfg.envs.rl_seed + off,
                                     "val_seed": cfg.envs.val_seed + off})
-    sets = build_sets(e, cfg.base)  # hashed seeds per purpose; held-out disjoint from the base recipe and every set
+    chosen: dict = {}
+    rl_mix = None
+    if e.curriculum.enabled and e.n_rl:
+        from .curriculum import choose_mix, probe
+        from .warm import resolve_base
+
+        policy = parent_checkpoint or (str(resolve_base(cfg.base.checkpoint)) if cfg.base.checkpoint else None)
+        if policy is None:
+            raise ValueError("envs.curriculum.enabled: the curriculum samples the policy it trains, and this iteration "
+                             "has none yet (no base.checkpoint and no iteration N−1)")
+
+        def rl_mix(excluded: set[str]):
+            figures, probe_specs = probe(cfg, policy, e.rl_source_patterns, e.rl_seed, excluded, log)
+            mix, why = choose_mix(figures, e.rl_source_patterns, e.n_rl, e.curriculum)
+            chosen.update(policy=policy, figures=figures, choice=why, mix=mix,
+                          probe_episodes=len(probe_specs) * e.curriculum.probe_samples)
+            log("curriculum: " + ", ".join(f"{p} {n}" for p, n in mix.items()))
+            return mix, {"curriculum-probe": probe_specs}
+
+    sets = build_sets(e, cfg.base, rl_mix)  # hashed seeds per purpose; held-out disjoint from the base recipe and all sets
     skipped = sets["skipped"]
     held = write_dataset(sets["eval"], out / "eval", {"seed": e.eval_seed, "purpose": "held-out",
                                                       "skipped_base_or_repeated": skipped["eval"]})
@@ -39,13 +62,10 @@ def env_specs(cfg, out: Path, iteration: int = 1) -> dict:
     if sets["rl"] is not None:
         rl = write_dataset(sets["rl"], out / "rl", {"seed": e.rl_seed, "purpose": "rl"})
         res.update(rl=str(out / "rl"), n_rl=rl["n"], rl_families=rl["families"], rl_sha256=rl["sha256"])
+    if chosen:
+        res["curriculum"] = chosen
+        _dump(out / "curriculum.json", chosen)
     return res
-
-
-def _task_content(spec) -> str:
-    from envs.generator import task_content
-
-    return task_content(spec)
 
 
 def rl_set(envs: dict) -> str:

@@ -193,6 +193,7 @@ def sao_expert(cfg, checkpoint: str, envs: dict, domain: str, out: Path, log=_qu
             "crashes": crashes, "crashed_share": crashes["share"],
             "resumed_from_step": start, "dropped_stale": loop.trainer.dropped["stale"], "rollout_reward": domain_reward,
             "updates": sum(1 for h in hist if h.get("updated")),
+            "trained_tokens": int(sum(h.get("tokens", 0) for h in hist)),  # the scaling curve's compute
             "degenerate_batches": sum(1 for h in hist if h.get("degenerate")),
             "reward_curve": [h.get("batch_reward", 0.0) for h in hist],
             "curves": {k: [h.get(k, 0.0) for h in hist] for k in SAO_CURVES},

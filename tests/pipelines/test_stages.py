@@ -8,6 +8,7 @@ import pytest
 import configs
 import stages
 from envs.dataset import read_dataset
+from envs.generator import task_content
 
 
 def test_probe_every_and_eval_patterns(tmp_path):
@@ -207,8 +208,8 @@ def test_hand_off_keeps_a_student_that_did_not_become_the_champion_out_of_the_ne
 def test_the_validation_set_is_fresh_every_iteration_and_never_a_held_out_task(tmp_path):
     cfg = configs.load("tiny", ["envs.n_rl=0", "envs.n_train=0", "envs.n_eval=60", "envs.n_val=60"])
     one, two = (stages.env_specs(cfg, tmp_path / f"e{i}", iteration=i) for i in (1, 2))
-    held = {stages._task_content(s) for s in read_dataset(one["eval"])}
-    v1, v2 = ({stages._task_content(s) for s in read_dataset(x["val"])} for x in (one, two))
+    held = {task_content(s) for s in read_dataset(one["eval"])}
+    v1, v2 = ({task_content(s) for s in read_dataset(x["val"])} for x in (one, two))
     assert v1 and v2 and not v1 & held and not v2 & held
     assert v1 != v2 and read_dataset(one["eval"])[0].id == read_dataset(two["eval"])[0].id  # val moves, eval does not
     assert {s.family for s in read_dataset(one["val"])} == {s.family for s in read_dataset(one["eval"])}

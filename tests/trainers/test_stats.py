@@ -69,3 +69,25 @@ def test_headroom_reads_greedy_and_sampled_rewards_by_hand(monkeypatch):
     assert h["pass_at_k"] == pytest.approx(2 / 3) and h["pass_at_k_ci"] == wilson(2, 3)  # tasks 1 and 3
     assert h["mixed"] == pytest.approx(2 / 3)  # tasks 1 and 3 both succeed and fail; task 2 never succeeds
     assert headroom([1.0], [[1, 1]])["mixed"] == 0.0  # always solved: nothing for one rollout to learn from
+
+
+def test_math_levers_classifies_each_failure_by_hand(monkeypatch):
+    """bench/math_levers.py's failure classes on a two-operation chain: 40, add 12, then multiply by 3 (= 156)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from math_levers import classify
+
+    from envs.actions import Action
+
+    hidden = {"start": 40, "steps": [["add", 12], ["mul", 3]]}
+
+    def calls(*exprs, submit="156"):
+        return [Action("calc", {"expr": e}) for e in exprs] + ([Action("submit", {"answer": submit})] if submit else [])
+
+    assert classify(hidden, calls("40+12", "25*3")) == "copy"        # the chain is at 52, not 25
+    assert classify(hidden, calls("40+12", "52+3")) == "operand"     # multiply, not add
+    assert classify(hidden, calls("40+12", submit="52")) == "early"   # the careless way: one operation short
+    assert classify(hidden, calls("40+12", "52*3", submit="165")) == "submit"  # right calls, wrong number sent
+    assert classify(hidden, calls("40+12", "52*3", submit=None)) == "other"
+    assert classify(hidden, calls("forty plus 12")) == "other"
