@@ -281,7 +281,8 @@ def verify_files(root: str | os.PathLike, sums: dict[str, str], what: str = "che
 def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Check a checkpoint's weight files against the checksums in its `temper.json` (each file's where recorded, else
     the whole checkpoint's); ChecksumError naming the file that differs. A checkpoint without recorded checksums (one
-    imported from the hub) passes unchecked. Returns {"checked": bool, "files": n, "bytes": n, "seconds": s}."""
+    imported from the hub) passes unchecked: "checked" False says so (an engine's weight update refuses it unless
+    told to trust it). Returns {"checked": bool, "files": n, "bytes": n, "seconds": s}."""
     import time
 
     t0 = time.perf_counter()
@@ -304,8 +305,10 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
 
 # ---- load --------------------------------------------------------------------------------------------
 def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+    """What `temper.json` records (policy version, checksums); {} without one (a checkpoint from the hub or another
+    tool): no version is made up for it — a default of 0 once put an updated engine back to version 0, silently."""
     p = Path(path) / META_FILE
-    return json.loads(p.read_text()) if p.exists() else {"policy_version": 0}
+    return json.loads(p.read_text()) if p.exists() else {}
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

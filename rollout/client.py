@@ -67,11 +67,15 @@ class EngineClient:
         return [lp for lp, _tok, _txt in out["meta_info"]["input_token_logprobs"]]
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None,
-                                       flush_cache: bool = False, abort_all_requests: bool = False) -> dict:
+                                       flush_cache: bool = False, abort_all_requests: bool = False,
+                                       verify: bool = True) -> dict:
+        """`verify=False` (temper's servers only): load a checkpoint that records no checksums, trusting it."""
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache,
                                 "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if not verify:  # (sent only when false: SGLang's servers do not know the field)
+            body["verify"] = False
         return await self._post("/update_weights_from_disk", body)
 
     async def flush_cache(self) -> dict:

@@ -21,7 +21,9 @@ so requests join and leave the running batch at every step.
 * Weights: `update_weights(path=… | state_dict=…)` runs between steps, bumps the policy version that is
   stamped on every generated token; in-flight requests continue, their context re-prefilled under the new
   weights, and idle sessions' prefixes are dropped: no cached row outlives the weights that computed it. A
-  checkpoint path is read with its checksum verified (`model.load_checkpoint`).
+  checkpoint path is read with its checksums verified; one without recorded checksums (from the hub) is refused
+  unless `verify=False` says the caller trusts it (loaded with a warning, "verified": False in the result). Its
+  version is the caller's, else the one the checkpoint records, else the update is refused (never a default).
 * Batches: `submit_batch` checks every request and the queue's room before any is queued (all or nothing).
 * MTP speculative decoding (`spec_drafts=N`, rollout/speculative.py): the MTP layer drafts N tokens, one
   target forward verifies them; greedy acceptance at temperature 0, rejection sampling above it (exact);
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta, token_logprobs
+from model.checkpoint import verify_checkpoint
 from model.tokenizer import ByteTokenizer, Tokenizer
 
 from .graphs import SYNC_WARNING, DecodeGraphs, syncs_in  # noqa: F401 - re-exported (split out of this module)
@@ -192,8 +195,9 @@ class Engine(SpeculativeDecoding):
         self._command("flush", None)
 
     def update_weights(self, path: str | Path | None = None, state_dict: dict | None = None,
-                       version: int | None = None, flush_cache: bool = False, abort_all: bool = False) -> dict:
-        return self._command("update", (path, state_dict, version, flush_cache, abort_all))
+                       version: int | None = None, flush_cache: bool = False, abort_all: bool = False,
+                       verify: bool = True) -> dict:
+        return self._command("update", (path, state_dict, version, flush_cache, abort_all, verify))
 
     def load(self) -> dict:
         with self._cv:
@@ -291,10 +295,27 @@ class Engine(SpeculativeDecoding):
             self.cache.reset(self._t([r.slot]))
             self.slot_tokens[r.slot] = []
 
-    def _update(self, path, state_dict, version, flush_cache, abort_all) -> dict:
-        t0 = time.perf_counter()
+    def _update(self, path, state_dict, version, flush_cache, abort_all, verify=True) -> dict:
+        t0, verified, note = time.perf_counter(), None, ""
         if path is not None:
-            loaded = load_checkpoint(path)
+            if not (Path(path) / "config.json").is_file():
+                raise EngineError(f"{path}: no config.json (not an HF-layout checkpoint directory)")
+            if version is None:  # the checkpoint's recorded version; without one (a hub checkpoint) none is made up
+                version = read_checkpoint_meta(path).get("policy_version")
+                if version is None:
+                    raise EngineError(f"{path} records no policy version (no temper.json): the update must name the "
+                                      "weight_version it serves")
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise EngineError(f"weight version {version!r}: expected an integer >= 0")
+            verified = verify_checkpoint(path)["checked"]  # a corrupt file: ChecksumError naming it
+            if not verified and verify:
+                raise EngineError(f"{path} records no checksums (no temper.json with them: a checkpoint from the hub "
+                                  "or another tool), so its weights cannot be verified; refusing it (say verify=false "
+                                  "to load it anyway)")
+            if not verified:
+                note = f"; UNVERIFIED: {path} records no checksums, loaded as the caller trusts it (verify=false)"
+                log.warning("loading %s without verifying it: it records no checksums (verify=false)", path)
+            loaded = load_checkpoint(path, verify=False)  # (verified just above)
             theirs, ours = loaded.config.model_dump(mode="json"), self.model.config.model_dump(mode="json")
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             if differ:  # the engine would compute with its own config on another model's weights
@@ -302,8 +323,6 @@ class Engine(SpeculativeDecoding):
                 raise EngineError(f"weights do not match the model: the checkpoint at {path} has another config "
                                   f"({len(differ)} keys differ: {said})")
             sd = loaded.state_dict()
-            if version is None:
-                version = read_checkpoint_meta(path).get("policy_version")
         elif state_dict is not None:
             sd = state_dict
         else:
@@ -319,6 +338,8 @@ class Engine(SpeculativeDecoding):
                     raise EngineError(f"weights do not match the model: {k} {tuple(sd[k].shape)} vs {tuple(v.shape)}")
             for k, v in own.items():
                 v.copy_(sd[k])
+        if version is not None and int(version) < self.version:
+            log.warning("weight version goes back from %d to %d (%s)", self.version, int(version), path or "tensors")
         self.version = int(version) if version is not None else self.version + 1
         self.stats.weight_updates += 1
         paused = len(self.running) + len(self.waiting)
@@ -328,8 +349,8 @@ class Engine(SpeculativeDecoding):
         # re-prefill their context under the new ones (with or without `flush_cache`). Kept rows once gave a session's
         # next turn log-probs off by 0.2 from the new weights' while its tokens were stamped with the new version.
         self._flush()
-        return {"success": True, "message": f"weights updated to version {self.version}", "version": self.version,
-                "num_paused_requests": paused, "seconds": time.perf_counter() - t0}
+        return {"success": True, "message": f"weights updated to version {self.version}{note}", "version": self.version,
+                "verified": verified, "num_paused_requests": paused, "seconds": time.perf_counter() - t0}
 
     # ---- scheduling ----------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -13,10 +13,14 @@
   starts, at every health poll (a server restarted between two polls answers `/health` like any other), and
   right after it sent a stale reply. A worker that does not is out of the rotation while `on_rejoin(client)` (the
   weight sync's loader) brings it up to date; it comes back only once it shows an expected version.
-* Replies: every reply's versions (`output_token_versions`, else `weight_version`) must be at least the lowest
-  expected version when the request was sent (versions only grow while a router serves); a stale reply is
-  refused, its worker taken out and re-admitted, and the request retried on another worker. So no request is
-  served by weights older than the ones the weight sync made current.
+* Replies (`check_reply`): every reply must be an object with `meta_info`, and its `output_token_versions`, where
+  present, must name one version per output token. With an expectation, the reply must name its versions, and every
+  one of them (each token's and its `weight_version`) must lie between the lowest version expected when the request
+  was sent and the highest expected then or now (versions only grow while a router serves; a push may land
+  mid-request). A reply from other weights — older, newer (another policy numbered higher), or not a version — is
+  refused, its worker taken out and re-admitted, and the request retried on another worker; a malformed one (no
+  version, too few token versions, not an object) counts as that worker's failure like a dropped connection. So
+  the caller never gets a reply stamped with a version the weight sync did not make current.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from .client import EngineClient, EngineUnavailable
+from .schemas import parse_version
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +57,20 @@ class NoHealthyWorker(RuntimeError):
 
 
 class StaleReply(EngineUnavailable):
-    """A worker answered with weights older than the version every worker must serve."""
+    """A worker answered with weights other than the ones every worker must serve (older, or newer than expected)."""
 
 
-def _int(v) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
+class BadReply(EngineUnavailable):
+    """A worker's reply that does not say, in the shape the API promises, which weights computed it."""
 
 
-def reply_versions(out: dict) -> list[int | None]:
-    """The weight versions a reply says computed it: its per-token versions, else its `weight_version` (None where
-    one is not an integer, e.g. SGLang's "default" before any version was set); [] when it names none."""
+def reply_versions(out: dict) -> list:
+    """The weight versions a reply names, as sent: each of its per-token versions, then its `weight_version`; [] when
+    it names none. (`parse_version` reads each; SGLang says "default" before any version was set.)"""
     meta = out.get("meta_info") or {}
     toks = meta.get("output_token_versions")
-    if toks:
-        return [_int(v) for v in toks]
-    return [_int(meta["weight_version"])] if meta.get("weight_version") is not None else []
+    got = list(toks) if isinstance(toks, list) else []
+    return got + ([meta["weight_version"]] if meta.get("weight_version") is not None else [])
 
 
 Want = list[tuple[int, str | None]]  # the (version, checksum) pairs a worker may serve
@@ -77,6 +78,39 @@ Want = list[tuple[int, str | None]]  # the (version, checksum) pairs a worker ma
 
 def lowest(want: Want | None) -> int | None:
     return None if not want else min(v for v, _ in want)
+
+
+def highest(*wants: Want | None) -> int | None:
+    vs = [v for want in wants for v, _ in (want or [])]
+    return max(vs) if vs else None
+
+
+def check_reply(out, sent: Want | None, now: Want | None = None) -> None:
+    """Refuse a reply that cannot be returned to the caller: BadReply when it is not an object with `meta_info`, when
+    its `output_token_versions` do not name one version per output token, or (with an expectation `sent`, what was
+    expected when the request was sent) when it names no version; StaleReply when a version it names is not an
+    integer from the lowest version of `sent` to the highest of `sent` and `now` (what is expected as it arrives)."""
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise BadReply(f"a reply that is not an object with meta_info ({type(out).__name__})")
+    meta, ids = out["meta_info"], out.get("output_ids")
+    toks = meta.get("output_token_versions")
+    if toks is not None and (not isinstance(toks, list) or not isinstance(ids, list) or len(toks) != len(ids)):
+        n = len(toks) if isinstance(toks, list) else repr(toks)[:20]
+        raise BadReply(f"output_token_versions names {n} versions for {len(ids) if isinstance(ids, list) else '?'} "
+                       "output tokens")
+    lo = lowest(sent)
+    if lo is None:
+        return
+    versions = reply_versions(out)
+    if not versions:
+        raise BadReply(f"a reply that names no weight version (policy v{lo} expected)")
+    hi = highest(sent, now)
+    for v in versions:
+        got = parse_version(v)
+        if got is None or not lo <= got <= hi:
+            rel = "not a version" if got is None else "older than" if got < lo else "newer than"
+            raise StaleReply(f"weight version {str(v)[:20]!r}, {rel} the policy v{lo}" +
+                             (f"..v{hi}" if hi != lo else "") + " every worker must serve")
 
 
 def wanted(x) -> Want | None:
@@ -89,7 +123,7 @@ def wanted(x) -> Want | None:
 def shows(info: dict, want) -> bool:
     """Does a worker's model info show one of the expected (version, checksum) pairs (`wanted`)? A reported checksum
     must match where the pair has one."""
-    v = _int(info.get("weight_version"))
+    v = parse_version(info.get("weight_version"))
     got = info.get("weights_checksum")
     return v is not None and any(v == version and (checksum is None or got is None or got == checksum)
                                  for version, checksum in wanted(want) or [])
@@ -238,17 +272,18 @@ class Router:
         session = kw.get("session_id")
         last: Exception | None = None
         for _attempt in range(self.retries + 1):
-            floor = lowest(self._want())  # the reply must come from these weights or newer ones
+            sent = self._want()  # the reply must come from these weights (or from those a push made current since)
             w = await self._acquire(session, cost)
             try:
                 out = await w.client.generate(input_ids, sampling_params, **kw)
-                if floor is not None:
-                    old = [v for v in reply_versions(out) if v is None or v < floor]
-                    if old:
-                        w.stale += 1
-                        self._recheck(w)
-                        raise StaleReply(f"{w.client.url} answered with weight version {old[0]}, older than the "
-                                         f"policy v{floor} every worker must serve")
+                try:
+                    check_reply(out, sent, self._want())
+                except StaleReply as e:
+                    w.stale += 1
+                    self._recheck(w)
+                    raise StaleReply(f"{w.client.url} answered with {e}") from None
+                except BadReply as e:
+                    raise BadReply(f"{w.client.url} answered with {e}") from None
                 w.served += 1
                 out.setdefault("meta_info", {})["worker"] = w.client.url
                 return out
@@ -278,9 +313,9 @@ class Router:
 
 
 class CheckedClient:
-    """One `EngineClient` (an external router, say) whose replies must come from the expected weights: a reply older
-    than `expect()`'s version when it was sent is refused and the request sent again (the router in front may pick
-    another worker), up to `retries` times; then `StaleReply`."""
+    """One `EngineClient` (an external router, say) whose replies must come from the expected weights: a reply that
+    `check_reply` refuses (from weights other than `expect()`'s when it was sent, or naming none) is sent again (the
+    router in front may pick another worker), up to `retries` times; then the last refusal (StaleReply, BadReply)."""
 
     scores = True
 
@@ -290,16 +325,18 @@ class CheckedClient:
         self.stale = 0
 
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, **kw) -> dict:
+        last: EngineUnavailable | None = None
         for _attempt in range(self.retries + 1):
-            floor = lowest(wanted(self.expect()))
+            sent = wanted(self.expect())
             out = await self.client.generate(input_ids, sampling_params, **kw)
-            old = [] if floor is None else [v for v in reply_versions(out) if v is None or v < floor]
-            if not old:
+            try:
+                check_reply(out, sent, wanted(self.expect()))
                 return out
+            except (StaleReply, BadReply) as e:
+                last = e
             self.stale += 1
-            log.warning("%s answered with weight version %s, older than policy v%s: sent again", self.url, old[0],
-                        floor)
-        raise StaleReply(f"{self.url}: {self.retries + 1} replies came from weights older than policy v{floor}")
+            log.warning("%s answered with %s: sent again", self.url, last)
+        raise type(last)(f"{self.url}: {self.retries + 1} replies refused; the last one: {last}")
 
     async def score(self, input_ids: list[int]) -> list[float | None]:
         out = await self.generate(input_ids, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)

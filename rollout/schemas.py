@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class GenerateBody(BaseModel):
@@ -41,6 +41,7 @@ class UpdateFromDisk(BaseModel):
 
     model_path: str
     weight_version: Any = None  # checked by parse_version (a bool or float is refused there, not coerced)
+    verify: StrictBool = True  # false: load a checkpoint that records no checksums (trusted by the caller, logged)
     abort_all_requests: bool = False
     flush_cache: bool = False
     load_format: str | None = None

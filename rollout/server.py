@@ -9,8 +9,11 @@ Requests are validated strictly: unknown fields, wrong types, negative limits an
 400 with the reason; a full queue gets 503; anything else that goes wrong inside a request gets 500 and
 the server goes on. A batch is all or nothing: every prompt is checked, and the queue's room for all of them,
 before any starts. A checkpoint whose files do not match their recorded checksums is refused (400, naming the
-file). Every reply's `weight_version` is the version that computed it; `/health_generate` says when generation is
-paused instead of waiting for it to resume.
+file); one that records no checksums (from the hub) is refused (400) unless the request says `"verify": false`
+(loaded with a warning; the reply says `"verified": false`). An update from disk serves the request's
+`weight_version`, else the version the checkpoint records, else it is refused (400): never a default. Every reply's
+`weight_version` is the version that computed it (a weight update's reply: the version it made live);
+`/health_generate` says when generation is paused instead of waiting for it to resume.
 
     temper serve --checkpoint DIR --port 30000 [--device cuda --dtype bfloat16 --cuda-graphs]
 """
@@ -236,12 +239,13 @@ def create_app(engine: Engine, model_path: str = "", served_name: str = "temper"
     async def update_from_disk(body: UpdateFromDisk):
         try:
             v = _version_or_raise(body.weight_version)
-            res = await in_control(engine.update_weights, path=body.model_path, version=v,
+            res = await in_control(engine.update_weights, path=body.model_path, version=v, verify=body.verify,
                                    flush_cache=body.flush_cache, abort_all=body.abort_all_requests)
-        except Exception as e:  # noqa: BLE001 - a missing, corrupt or mismatched checkpoint: the old weights stay
-            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}", "num_paused_requests": 0},
-                                status_code=400)
-        return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"]}
+        except Exception as e:  # noqa: BLE001 - a missing, corrupt, unverifiable or mismatched checkpoint: old weights stay
+            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}", "num_paused_requests": 0,
+                                 "weight_version": str(engine.version)}, status_code=400)
+        return {"success": True, "message": res["message"], "num_paused_requests": res["num_paused_requests"],
+                "weight_version": str(res["version"]), "verified": res["verified"]}
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(body: UpdateFromTensor):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import PROMPTS
+from engine_helpers import PROMPTS, full_forward_greedy
 from engine_helpers import run_all as _run
 
 from model.generate import generate
@@ -15,14 +15,6 @@ from rollout.sampling import SamplingParams
 
 def _greedy(n=24, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
-
-
-def full_forward_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("spec", [0, 3])

@@ -7,21 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import PROMPTS
+from engine_helpers import PROMPTS, full_forward_greedy
 from engine_helpers import run_all as _run
 
 from rollout.engine import DecodeGraphs, Engine, GenRequest
 from rollout.sampling import SamplingParams, filtered_logits, sample
 
 ENGINE_FILES = {str(Path(__file__).parents[2] / "rollout" / f) for f in ("engine.py", "sampling.py")}
-
-
-def full_forward_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _mixed(i: int, n: int = 10) -> SamplingParams:

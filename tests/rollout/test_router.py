@@ -1,6 +1,7 @@
 """The in-process router and the real sglang-router in front of embedded servers."""
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from engine_helpers import full_forward_greedy
 
 from model import Transformer
 from rollout.engine import Engine
@@ -164,13 +166,6 @@ def test_a_stale_reply_is_refused_and_its_worker_reloaded_before_it_serves_again
     from model import save_checkpoint
     from rollout.client import EngineClient
 
-    def full_forward_greedy(model, prompt, n):
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(n):
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-        return ids[len(prompt):]
-
     v5 = copy.deepcopy(micro_model)
     with torch.no_grad():
         for p in v5.parameters():
@@ -224,5 +219,144 @@ def test_behind_an_external_router_replies_from_older_weights_are_refused(micro_
         eng.version = 3
         out, stale = asyncio.run(go(srv.url, 3))
         assert out["meta_info"]["output_token_versions"] == [3, 3] and stale == 0
-        with pytest.raises(StaleReply, match="2 replies came from weights older than policy v4"):
+        with pytest.raises(StaleReply, match="2 replies refused; the last one: weight version '3', older than the policy v4"):
             asyncio.run(go(srv.url, 4))
+
+
+class _Fake:
+    """A worker on 127.0.0.1 that claims `version` in /get_model_info (`then` once it has answered a /generate: it was
+    reloaded after the router admitted it) and answers every /generate with `reply` (a callable gets the request
+    body), counting the /generate calls in `hits`."""
+
+    def __init__(self, version, reply, then=None):
+        fake = self
+        self.hits, self.version = 0, version
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                self._send({"weight_version": str(fake.version)} if "model_info" in self.path else
+                           {"max_running_requests": 4} if "server_info" in self.path else {"status": "ok"})
+
+            def do_POST(self):  # noqa: N802
+                sent = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                fake.hits += 1
+                fake.version = fake.version if then is None else then
+                self._send(reply(sent) if callable(reply) else reply)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _reply(ids, versions, weight_version):
+    meta = {"weight_version": weight_version} if weight_version is not None else {}
+    if versions is not None:
+        meta["output_token_versions"] = versions
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+GOOD = _reply([7, 8], [5, 5], "5")
+BAD = {  # what a worker answers, what its /get_model_info claims after that, and whether it is stale or malformed
+    "no version at all": (_reply([7, 8], None, None), 5, "failures"),
+    "token versions shorter than the tokens": (_reply([7, 8], [5], "5"), 5, "failures"),
+    "token versions missing while tokens came": (_reply([7, 8], [], "5"), 5, "failures"),
+    "a list for one prompt": ([GOOD], 5, "failures"),
+    "newer tokens": (_reply([7, 8], [6, 6], "6"), 6, "stale"),
+    "newer weight_version over current tokens": (_reply([7, 8], [5, 5], "6"), 6, "stale"),
+    "older tokens": (_reply([7, 8], [4, 5], "5"), 4, "stale"),
+    "not a version": (_reply([7, 8], None, "default"), "default", "stale"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_reply_that_misstates_its_version_is_never_returned(case):
+    """With v5 expected, a worker's reply that names no version, names fewer token versions than tokens, is not an
+    object, or names another version (older, newer, not one) is refused: the request is retried on the other worker,
+    every reply the caller gets is the good worker's v5 reply, and the bad worker is out of the rotation. With the bad
+    worker alone, the request fails rather than return its reply."""
+    from rollout.client import EngineUnavailable
+    from rollout.router import NoHealthyWorker
+
+    reply, claims, counter = BAD[case]
+
+    async def main(urls, n):
+        async with Router(urls, health_interval=3600, expect=lambda: (5, None)) as router:
+            outs = await asyncio.gather(*(router.generate([1, i], {"max_new_tokens": 2}) for i in range(n)))
+            return outs, {s["url"]: s for s in router.stats()}
+
+    with _Fake(5, reply, then=claims) as bad, _Fake(5, GOOD) as good:
+        outs, stats = asyncio.run(main([bad.url, good.url], 6))
+        assert bad.hits >= 1 and good.hits == 6  # the bad worker was tried (listed first: first pick) and refused
+        assert [o["meta_info"]["worker"] for o in outs] == [good.url] * 6
+        assert all(o["meta_info"]["output_token_versions"] == [5, 5] and o["output_ids"] == [7, 8] for o in outs)
+        assert stats[bad.url][counter] >= 1 and not stats[bad.url]["healthy"] and stats[bad.url]["served"] == 0
+        bad.version, hits = 5, bad.hits  # it shows v5 again: admitted, tried, refused
+        with pytest.raises((EngineUnavailable, NoHealthyWorker)):
+            asyncio.run(main([bad.url], 1))
+        assert bad.hits > hits
+
+
+def test_a_reply_from_a_version_pushed_mid_request_is_taken():
+    """A push of v6 that lands while a request runs: its tokens span v5 and v6, and the reply is taken (v6 is expected
+    when it arrives); the same reply with v6 never expected is refused as newer."""
+    from rollout.router import StaleReply
+
+    want = [(5, None)]
+
+    def reply(_sent):
+        want[:] = [(5, None), (6, None)]  # the push begins while the worker generates
+        return _reply([7, 8], [5, 6], "6")
+
+    async def main(url):
+        async with Router([url], health_interval=3600, expect=lambda: list(want)) as router:
+            return await router.generate([1, 2], {"max_new_tokens": 2}), router.stats()[0]
+
+    with _Fake(5, reply) as w:
+        out, stats = asyncio.run(main(w.url))
+        assert w.hits == 1 and stats["stale"] == stats["failures"] == 0  # taken the first time, not on a retry
+    assert out["meta_info"]["output_token_versions"] == [5, 6] and out["meta_info"]["worker"] == w.url
+
+    from rollout.router import check_reply
+
+    with pytest.raises(StaleReply, match="'6', newer than the policy v5"):
+        check_reply(_reply([7, 8], [5, 6], "6"), [(5, None)], [(5, None)])
+
+
+def test_behind_an_external_router_a_reply_without_versions_is_refused():
+    """CheckedClient (behind sglang-router) sends a malformed reply's request again and refuses it once the retries
+    are spent; without an expectation (nothing pushed yet) a reply that names no version is passed on."""
+    from rollout.client import EngineClient
+    from rollout.router import BadReply, CheckedClient
+
+    async def go(url, want):
+        c = CheckedClient(EngineClient(url), lambda: want, retries=2)
+        try:
+            return await c.generate([1, 2], {"max_new_tokens": 2})
+        finally:
+            await c.aclose()
+
+    with _Fake(5, _reply([7, 8], None, None)) as w:
+        with pytest.raises(BadReply, match="3 replies refused; the last one: a reply that names no weight version"):
+            asyncio.run(go(w.url, (5, None)))
+        assert w.hits == 3
+        assert asyncio.run(go(w.url, None))["output_ids"] == [7, 8]
+    with _Fake(5, _reply([7, 8], [5], "5")) as w, pytest.raises(BadReply, match="names 1 versions for 2 output"):
+        asyncio.run(go(w.url, None))  # a short token-version list is refused even without an expectation

@@ -1,5 +1,6 @@
 """Nothing silently wrong at the server: a batch is all or nothing, the inputs that were 5xx are 4xx with a reason,
-and `/health_generate` answers while paused; a corrupt checkpoint is refused naming its file."""
+and `/health_generate` answers while paused; a corrupt checkpoint is refused naming its file, one without checksums
+unless trusted, and an update from disk never falls back to version 0."""
 
 import httpx
 import pytest
@@ -167,3 +168,86 @@ def test_weights_of_another_model_are_refused_not_half_loaded(server, tmp_path):
         r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": base64.b64encode(st_save(sd)).decode()})
         assert r.status_code == 400 and "unexpected ['model.layers.99.extra.weight']" in r.json()["message"]
     assert eng.version == v
+
+
+def _hub_copy(model, path, version=7):
+    """`model` saved as a checkpoint from the hub is: HF layout, no temper.json (no recorded version or checksums)."""
+    save_checkpoint(model, path, policy_version=version)
+    (path / "temper.json").unlink()
+    return path
+
+
+def test_a_hub_checkpoint_is_refused_unless_trusted_and_the_old_weights_serve_on(server, micro_model, tmp_path, caplog):
+    """A checkpoint without recorded checksums was loaded unverified and put the version back to 0. Now: without a
+    version 400 naming the missing version; with one but unverifiable 400 naming the missing checksums (a `verify`
+    that is not a JSON boolean too); the old weights keep serving, stamped with their version. Only `"verify": false`
+    loads it: warned in the log, `verified: false` and the version it made live in the reply."""
+    from engine_helpers import full_forward_greedy
+
+    srv, eng = server
+    torch.manual_seed(5)
+    new = Transformer(eng.cfg).eval()
+    hub = _hub_copy(new, tmp_path / "hub")
+    eng.update_weights(state_dict=micro_model.state_dict(), version=4)
+    sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    with _http(srv) as c:
+        def served():
+            out = c.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": sp, "return_logprob": True}).json()
+            return out["output_ids"], out["meta_info"]["weight_version"], out["meta_info"]["output_token_versions"]
+
+        r = c.post("/update_weights_from_disk", json={"model_path": str(hub)})
+        assert r.status_code == 400 and "records no policy version" in r.json()["message"], r.text
+        for bad in ({"weight_version": 8}, {"weight_version": 8, "verify": True}, {"weight_version": 8, "verify": "false"},
+                    {"weight_version": 8, "verify": 0}):
+            r = c.post("/update_weights_from_disk", json={"model_path": str(hub), **bad})
+            assert 400 <= r.status_code < 500 and r.json().get("success") is not True, (bad, r.text)
+            assert eng.version == 4 and served() == (full_forward_greedy(micro_model, [1, 2, 3], 4), "4", [4] * 4), bad
+        assert "records no checksums" in c.post("/update_weights_from_disk",
+                                                json={"model_path": str(hub), "weight_version": 8}).json()["message"]
+        with caplog.at_level("WARNING", logger="rollout.engine"):
+            r = c.post("/update_weights_from_disk", json={"model_path": str(hub), "weight_version": 8, "verify": False})
+        assert r.status_code == 200 and r.json()["verified"] is False and r.json()["weight_version"] == "8"
+        assert "UNVERIFIED" in r.json()["message"] and f"loading {hub} without verifying it" in caplog.text
+        assert served() == (full_forward_greedy(new, [1, 2, 3], 4), "8", [8] * 4)
+        ck = tmp_path / "ck"
+        save_checkpoint(micro_model, ck, policy_version=9)  # a temper checkpoint: verified, its recorded version
+        r = c.post("/update_weights_from_disk", json={"model_path": str(ck)})
+        assert r.status_code == 200 and r.json()["verified"] is True and r.json()["weight_version"] == "9"
+
+
+def test_an_update_from_disk_never_falls_back_to_version_0(server, micro_model, tmp_path):
+    """No version in the request and none recorded (a hub checkpoint, trusted or not; a temper.json that lost its
+    `policy_version`): refused, and the engine keeps its version — it never drops to 0 by default. The client sends
+    `verify: false` only when asked (SGLang's servers do not know the field)."""
+    import asyncio
+    import json
+
+    from rollout.client import EngineClient
+
+    srv, eng = server
+    hub = _hub_copy(micro_model, tmp_path / "hub")
+    ck = tmp_path / "ck"
+    save_checkpoint(micro_model, ck, policy_version=3)
+    meta = json.loads((ck / "temper.json").read_text())
+    (ck / "temper.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "policy_version"}))
+    eng.update_weights(state_dict=micro_model.state_dict(), version=6)
+    with _http(srv) as c:
+        for body in ({"model_path": str(hub), "verify": False}, {"model_path": str(ck)}):
+            r = c.post("/update_weights_from_disk", json=body)
+            assert r.status_code == 400 and "records no policy version" in r.json()["message"], body
+            assert eng.version == 6 and c.get("/get_model_info").json()["weight_version"] == "6"
+        r = c.post("/update_weights_from_disk", json={"model_path": str(ck), "weight_version": 0})  # said: taken
+        assert r.status_code == 200 and eng.version == 0 and r.json()["verified"] is True
+    sent = []
+
+    def handler(request):
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json={"success": True})
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            c = EngineClient("http://w", client=http)
+            await c.update_weights_from_disk("/ck", weight_version=2)
+            await c.update_weights_from_disk("/ck", weight_version=2, verify=False)
+    asyncio.run(main())
+    assert "verify" not in sent[0] and sent[1]["verify"] is False
