@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-threads lint bench clean gpu-wheels sandbox-deps docker-deps browser-deps ui docs docs-serve
+.PHONY: run test test-threads lint bench clean gpu-wheels sandbox-deps docker-deps browser-deps postgres-deps ui docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,14 @@ browser-deps:
 	    echo "installing chromium"; apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium is required for the browser test: sudo apt-get install chromium" >&2; exit 1; fi; }
 
+# The deployment test (tests/deploy) starts a throwaway PostgreSQL server from Debian's package (initdb + pg_ctl under
+# /usr/lib/postgresql/*/bin, as the postgres user when run as root) and runs an iteration against it.
+postgres-deps:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing postgresql"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	  else echo "postgresql is required for the deployment test: sudo apt-get install postgresql" >&2; exit 1; fi; }
+
 # One post-training iteration on tiny as a Dagster run (the next iteration each time), then a summary whose links point
 # where `make ui` serves (its DAGSTER_PORT and MLFLOW_PORT, below) and whose hint is the exact command to go on.
 run: $(STAMP) sandbox-deps
@@ -52,7 +60,7 @@ run: $(STAMP) sandbox-deps
 # Two xdist workers, a file each at a time (module fixtures stay in one process), in collection order: tests/conftest.py
 # puts the files with `slow` tests first. Each worker's torch takes one thread.
 TEST_WORKERS ?= 2
-test: $(STAMP) sandbox-deps docker-deps browser-deps
+test: $(STAMP) sandbox-deps docker-deps browser-deps postgres-deps
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The tests that compare floating-point results across processes, thread counts or batch shapes (ranks against one

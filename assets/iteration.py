@@ -165,27 +165,50 @@ def _partition(context) -> str:
     return context.run.tags.get("dagster/partition") or context.partition_key
 
 
-@_asset(stage="env_specs", description="Task specs generated from the patterns")
-def env_specs(context: dg.AssetExecutionContext, temper: TemperResource) -> dg.MaterializeResult:
-    import stages
-
+@_asset(stage="env_specs", deps=[POLICY_KEY], retry_policy=LONG_STEP_RETRY,
+        description="Task specs generated from the patterns: the fixed held-out ladder, validation, and the RL set whose "
+                    "pattern mix the frontier curriculum chooses from samples of the policy this iteration starts from")
+def env_specs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
+              sandbox: SandboxResource, trainer: TrainerBackend) -> dg.MaterializeResult:
     it = context.partition_key
     refuse_in_run(context, temper.root())  # a bad partition key, or no iteration N−1 here: fails now, once
     d = temper.dir(it)
-    memo = _memo(context, temper, "env_specs", ("envs",))
+    cfg = temper.config()
+    parent, why = (None, "none")
+    if cfg.envs.curriculum.enabled:  # the curriculum reads the policy iteration N−1 hands off (the `policy` asset)
+        parent, why = _handed_off(context, it, cfg.hand_off, temper.root())
+    memo = _memo(context, temper, "env_specs", ("envs",), sandbox, parent=parent,
+                 parent_checksum=checkpoint_identity(parent))
     if (hit := memo.cached()) is not None:
-        return _materialize(None, hit, {}, memo)
-    out = stages.env_specs(temper.config(), d / "envs", iteration=int(it))
+        return _materialize(None, hit, _curriculum_meta(hit), memo)
+    out, reported = _stage(context, pipes, temper, sandbox, trainer, "env_specs", out=str(d / "envs"),
+                           iteration=int(it), parent_checkpoint=parent)
     memo.save(out)
     meta = _track(temper, it, "env_specs", out, {"n_train": out["n_train"], "n_eval": out["n_eval"], "n_rl": out["n_rl"]},
-                  {"train_dir": out["train"], "eval_dir": out["eval"]}, bars={"specs per family": out["families"]})
+                  {"train_dir": out["train"], "eval_dir": out["eval"],
+                   "curriculum_policy": (out.get("curriculum") or {}).get("policy", "none")},
+                  bars={"specs per family": out["families"] or out.get("rl_families", {}),
+                        **({"RL tasks per pattern": out["curriculum"]["mix"]} if out.get("curriculum") else {})})
     sets = {"held_out": (out["eval_sha256"], out["eval"], "evaluation")}
     if out.get("rl"):
         sets["rl"] = (out["rl_sha256"], out["rl"], "training")
     if out.get("train"):
         sets["sft"] = (out["sha256"], out["train"], "training")
     temper.tracker().log_datasets(_iteration_run(temper, it), {f"iteration-{it}-{k}": v for k, v in sets.items()})
-    return _materialize(None, out, meta, memo)
+    return _materialize(reported, out, {**meta, **_curriculum_meta(out),
+                                        "curriculum_from": why if parent else "the shipped base (iteration 1)"}, memo)
+
+
+def _curriculum_meta(out: dict) -> dict:
+    """The curriculum's choice as a table: per pattern, the tasks it got, why, and the probe's figures."""
+    cur = out.get("curriculum")
+    if not cur:
+        return {}
+    rows = "\n".join(f"| `{p}` | {c['tasks']} | {c['choice']} | {c['expected_signal']:.3f} | "
+                     f"{cur['figures'][p]['sampled']:.2f} | {cur['figures'][p]['mixed']:.2f} | {c['why']} |"
+                     for p, c in cur["choice"].items())
+    return {"curriculum": dg.MetadataValue.md("| pattern | RL tasks | choice | expected signal | sampled success | "
+                                              "mixed | why |\n|---|---|---|---|---|---|---|\n" + rows)}
 
 
 @_asset(stage="verified_envs", kinds=("bubblewrap",), deps=[env_specs], retry_policy=LONG_STEP_RETRY,
@@ -487,9 +510,23 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
     # the decision reads the validation set, never the held-out one (stages/decision.py)
     dec = out["decision"]
+    # the student and each expert as MLflow LoggedModels: held-out pass@1 (with its 95% bounds) and the last training
+    # value, each tied to its dataset; the models come from their stage runs
+    from store.tracking import pass_at_1_metrics
+
+    envs, last = _upstream(context, "verified_envs"), lambda v: (v or [None])[-1]
+    sets = {(held := f"iteration-{it}-held_out"): (envs["eval"], "evaluation"),
+            (rl := f"iteration-{it}-rl_verified"): (stages.rl_set(envs), "training")}
+    for dom, s in out["teacher_stats"].items():
+        tr.log_model(f"temper-expert-{dom}", tr.stage_run(run, it, f"sao_expert_{dom}"), experts[dom]["checkpoint"],
+                     copy=False, datasets=sets, metrics={held: pass_at_1_metrics({dom: s}),
+                                                         rl: {"train_reward_final": last(experts[dom].get("reward_curve"))}})
     reg = tr.register_student("temper-student", run, out["student"],
                               dec["pass@1_after"] if dec["set"] else out["pass@1_after"],
-                              significant=dec["significant"], p_value=dec["p_value"])
+                              significant=dec["significant"], p_value=dec["p_value"],
+                              model_run_id=tr.stage_run(run, it, "opd_student"), datasets=sets,
+                              metrics={held: pass_at_1_metrics({g: v["after"] for g, v in st.items()}),
+                                       rl: {"train_reverse_kl_final": last(_upstream(context, "opd_student").get("reverse_kl"))}})
     tr.finish(run)
     out.update(registered=reg)
     # hand off to the next iteration: iteration N+1's warm start reads this record and picks the student or this
@@ -509,7 +546,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                        f"{v['test']['gained']} | {v['test']['lost']} | {v['test']['p_value']:.4f} |" for g, v in st.items())
     return _materialize(reported, out, {**meta, "paired_comparison": dg.MetadataValue.md(table),
                                           "champion_moved": reg["champion_moved"], "champion_reason": reg["reason"],
-                                          "registered_model_uri": dg.MetadataValue.url(reg["model_uri"]),
+                                          "registered_model_uri": dg.MetadataValue.text(reg["model_uri"]),
                                           "logged_model_id": reg["model_id"],
                                           "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))}, memo)
 
@@ -523,5 +560,5 @@ POLICY = dg.AssetSpec(POLICY_KEY, group_name="iteration", owners=OWNERS, kinds={
                                   "`hand_off`")
 
 ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation,
-              POLICY]
+              POLICY]  # + `scaling` (assets/scaling.py), appended in `assets/__init__.py`
 ALL_CHECKS = [triad_pass_rate, hack_probes]

@@ -11,7 +11,9 @@ config mapping, which Dagster applies when it validates a run config, before it 
 - iteration N ≥ 2 starts from what iteration N−1 of the same run root handed off, so N−1 must have been evaluated
   there (`check_parent`; the Launchpad cannot see the partition when it checks a config, so a run it starts is
   refused by its first step instead, once, without retries);
-- a partition key is an iteration number: 1, 2, … (`iteration_number`).
+- a partition key is an iteration number: 1, 2, … (`iteration_number`);
+- the MLflow tracking URI (`temper.mlflow_uri`, else $TEMPER_MLFLOW_URI) is a database SQLAlchemy can open with the
+  drivers installed (`store.tracking.sql_url_problem`).
 
 A refused launch raises `LaunchRefused` (a ValueError) naming every problem at once.
 """
@@ -52,7 +54,11 @@ def resource_problems(run_config: Mapping | None) -> list[str]:
 
     problems = []
     try:
-        TemperResource(**_section(run_config, "temper"))  # the preset, overrides and settings resolve (configs.load)
+        temper = TemperResource(**_section(run_config, "temper"))  # the preset, overrides and settings resolve
+        from store.tracking import sql_url_problem, tracking_uri
+
+        if why := sql_url_problem(tracking_uri(temper.run_root, temper.mlflow_uri)):  # or $TEMPER_MLFLOW_URI
+            problems.append(f"temper: the MLflow tracking URI: {why}")
     except ValueError as e:
         problems.append(f"temper: {_short(e)}")
     try:

@@ -95,7 +95,7 @@ class TemperResource(dg.ConfigurableResource):
     overrides: list[str] = []
     settings: Settings = Settings()
     run_root: str = "runs/pipeline"
-    mlflow_uri: str = ""  # default: sqlite under run_root
+    mlflow_uri: str = ""  # default: $TEMPER_MLFLOW_URI (e.g. postgresql://temper@db/mlflow), else sqlite under run_root
     mlflow_ui: str = ""  # e.g. http://127.0.0.1:5000 (what `make ui` serves): turns run links into URLs
 
     @model_validator(mode="after")
@@ -140,17 +140,21 @@ class TemperResource(dg.ConfigurableResource):
         return self.root() / "trajectories.duckdb"
 
     def tracker(self):
-        return _tracker(self.mlflow_uri or f"sqlite:///{Path(self.run_root).resolve() / 'mlflow.db'}")
+        """The MLflow tracker: `mlflow_uri`, else $TEMPER_MLFLOW_URI, else `<run_root>/mlflow.db`; a database store's
+        artifacts go to $TEMPER_MLFLOW_ARTIFACTS, else `<run_root>/mlartifacts` (as sqlite's do)."""
+        from store.tracking import tracking_uri
+
+        return _tracker(tracking_uri(self.run_root, self.mlflow_uri), (self.root() / "mlartifacts").as_uri())
 
     def run_url(self, tracker, run_id: str) -> str:
         return f"{self.mlflow_ui.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/{run_id}"
 
 
 @functools.cache
-def _tracker(uri: str):
+def _tracker(uri: str, artifacts: str):
     from store.tracking import Tracker
 
-    return Tracker(uri)
+    return Tracker(uri, artifacts=artifacts)
 
 
 class RolloutBackend(dg.ConfigurableResource):
@@ -280,6 +284,9 @@ class StageRunner(dg.ConfigurableResource):
     run_root_claim: str = ""
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, str]] = []
+    # k8s: a Secret whose keys become the stage pods' environment (e.g. PGPASSWORD, so a stage logs its curves into
+    # a PostgreSQL MLflow store without the password in the URI or the pod spec)
+    env_secret: str = ""
 
     def containerized(self, stage: str) -> bool:
         return self.kind != "subprocess" and (not self.stages or stage in self.stages)
@@ -291,6 +298,8 @@ class StageRunner(dg.ConfigurableResource):
             res["nvidia.com/gpu"] = str(self.gpus)
         container = {"name": "stage", "working_dir": self.workdir, "resources": {"limits": res, "requests": res},
                      "security_context": {"allow_privilege_escalation": False}}
+        if self.env_secret:
+            container["env_from"] = [{"secret_ref": {"name": self.env_secret}}]
         spec: dict = {"restart_policy": "Never", "containers": [container]}
         if self.run_root_claim:
             container["volume_mounts"] = [{"name": "run-root", "mount_path": str(run_root)}]
@@ -349,12 +358,20 @@ class StageRunner(dg.ConfigurableResource):
         try:
             return PipesDockerClient().run(
                 context=context, image=image, command=[sys.executable, *command[1:]], extras=extras,
-                env={"HOME": "/tmp", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", **env},
+                env={"HOME": "/tmp", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", **_libpq_env(), **env},
                 container_kwargs={"volumes": vols, "working_dir": str(repo), "network_mode": self.network,
                                   "tmpfs": {"/tmp": "size=1g"}, "labels": label, "read_only": True})
         finally:  # the client stops its container; remove it too
             for c in client.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in label.items()]}):
                 c.remove(force=True)
+
+
+def _libpq_env() -> dict[str, str]:
+    """This process's libpq settings (PGPASSWORD, …): a stage container on this machine reaches a PostgreSQL MLflow
+    store as its parent does (a subprocess inherits them)."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k in ("PGPASSWORD", "PGUSER", "PGSSLMODE", "PGSSLROOTCERT")}
 
 
 class TrainerBackend(dg.ConfigurableResource):

@@ -170,7 +170,6 @@ def cmd_envs_generate(args) -> int:
 
 
 def cmd_envs_validate(args) -> int:
-    from rich.progress import Progress
     from rich.table import Table
 
     from envs.dataset import read_dataset, write_dataset
@@ -188,8 +187,10 @@ def cmd_envs_validate(args) -> int:
 
     reports: list = [None] * len(specs)
     # each validation is mostly sandboxed subprocesses waiting on limits: run `--workers` at once
-    with Progress(console=con, transient=True) as prog, ThreadPoolExecutor(args.workers) as pool:
-        task = prog.add_task(f"validating ({args.workers} at once)", total=len(specs))
+    from .progress import bar
+
+    with bar(con) as prog, ThreadPoolExecutor(args.workers) as pool:  # k/N environments, elapsed, time left
+        task = prog.add_task(f"validating ({args.workers} at once)", total=len(specs), note="")
 
         def one(i: int) -> None:
             reports[i] = validate(specs[i], sandbox, probes=not args.no_probes)

@@ -2,9 +2,16 @@
 
     temper run --preset tiny                 # the next iteration of the run root (1 on a fresh one)
     temper run --preset tiny --iteration 3   # a given iteration (its parent must exist)
+    temper run --preset tiny --iterations 3  # the next three, each from what the one before hands off
+
+The terminal shows one line per stage while the run goes (state, step k of N where the stage reports steps, elapsed
+time, an estimate of the time left: pipelines/progress.py); the full Dagster log, with the stage processes' own
+output, goes to the iteration's `dagster.log`.
 
 The run goes into the same Dagster instance (`runs/dagster_home`), run root (`runs/pipeline`) and MLflow
-store that `make ui` serves, so the run, its lineage and its curves are there to inspect afterwards.
+store that `make ui` serves, so the run, its lineage and its curves are there to inspect afterwards. With
+$TEMPER_DAGSTER_PG_URL the instance keeps its runs, events and schedules in PostgreSQL, and with
+$TEMPER_MLFLOW_URI MLflow tracks into that database (docs/pipeline.md, Deployment).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import time
 from pathlib import Path
 
 STAGES = ["env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts", "opd_student",
-          "evaluation"]
+          "evaluation", "scaling"]
 
 
 def _instance(root: Path):
@@ -35,7 +42,10 @@ def _step_seconds(result) -> dict[str, float]:
     return out
 
 
-def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> dict:
+def summary(run_dir: Path, seconds: dict[str, float], wall: float, console, states: dict[str, str] | None = None
+            ) -> dict:
+    """The iteration's tables (held-out results, stages) from the stage results in `run_dir`; with `states` (stage →
+    done / reused / failed / skipped / waiting, from the live board), the stages table says each one's state."""
     from rich.table import Table
 
     from stages import teacher_cell
@@ -65,6 +75,8 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
     console.print(t)
     s = Table(title="stages")
     s.add_column("stage")
+    if states is not None:
+        s.add_column("state")
     s.add_column("seconds", justify="right")
     s.add_column("what", justify="left")
     what = {
@@ -83,8 +95,10 @@ def summary(run_dir: Path, seconds: dict[str, float], wall: float, console) -> d
         "evaluation": f"{ev.get('n_eval', 0)} held-out environments",
     }
     for st in STAGES:
-        s.add_row(st, f"{seconds.get(st, 0.0):.0f}", what.get(st, ""))
-    s.add_row("total (wall)", f"{wall:.0f}", "", style="bold")
+        state = [states.get(st, "")] if states is not None else []
+        s.add_row(st, *state, f"{seconds.get(st, 0.0):.0f}", what.get(st, ""),
+                  style="red" if state == ["failed"] else "dim" if state and state[0] in ("skipped", "waiting") else None)
+    s.add_row("total (wall)", *([""] if states is not None else []), f"{wall:.0f}", "", style="bold")
     console.print(s)
     for d, v in sao.items():
         if v.get("skipped"):
@@ -107,7 +121,7 @@ def _run_config(args) -> dict:
     res = {"temper": {"config": cfg}}
     if args.servers:
         res["rollout"] = {"config": {"kind": "embedded", "embedded_servers": args.servers, "all_stages": True}}
-    return {"resources": res, "loggers": {"console": {"config": {"log_level": args.log_level}}}}
+    return {"resources": res}  # loggers: `progress.execute_live` adds the board's and the log file's
 
 
 def again(args) -> str:
@@ -122,6 +136,9 @@ def again(args) -> str:
 
 
 def cmd_run(args) -> int:
+    """`temper run`: one iteration (the next one, or `--iteration N`), or `--iterations K` in a row, each starting from
+    what the one before it handed off; stops at the first that fails."""
+    import logging
     import warnings
 
     from rich.console import Console
@@ -131,10 +148,12 @@ def cmd_run(args) -> int:
 
     con = Console(soft_wrap=True)  # a path or the hint command is not broken across lines (they are copied)
     import configs
-    from assets.launch import LaunchRefused, check_parent, check_run_config, iteration_number
+    from assets.launch import LaunchRefused, check_run_config, iteration_number
 
     run_config = _run_config(args)
     try:  # every configuration error fails here, before any partition or run exists
+        if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
+            raise LaunchRefused(f"--log-level {args.log_level!r} is not a level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
         configs.load(args.preset, args.override)
         check_run_config(run_config)
         if args.iteration is not None:
@@ -143,10 +162,42 @@ def cmd_run(args) -> int:
         con.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
     root = Path.cwd()
-    instance = _instance(root)
+    try:
+        instance = _instance(root)
+    except ValueError as e:  # $TEMPER_DAGSTER_PG_URL names a database SQLAlchemy cannot open
+        con.print(f"[red]error:[/red] {escape(str(e))}")
+        return 2
+    k = getattr(args, "iterations", None) or 1
+    ran: list[str] = []
+    for i in range(k):
+        if k > 1:
+            con.rule(f"iteration {i + 1} of {k}")
+        rc, it = run_iteration(args, con, instance, run_config)
+        if rc != 0:
+            if k > 1:
+                con.print(f"[red]stopped:[/] iteration {it} {'failed' if rc == 1 else 'was refused'}, so the "
+                          f"{k - i - 1} iteration(s) after it did not run ({len(ran)} of {k} finished"
+                          f"{': ' + ', '.join(ran) if ran else ''})")
+            return rc
+        ran.append(it)
+    if k > 1:
+        con.print(f"{k} iterations finished in {args.run_root}: {', '.join(ran)}")
+    return 0
 
+
+def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
+    """One iteration as a Dagster run, shown live (a line per stage; the full log in the iteration's dagster.log),
+    then its summary. Returns (exit code: 0 done, 1 failed, 2 refused; the iteration)."""
+    import logging
+
+    from rich.markup import escape
+
+    import configs
     from assets import ITERATIONS
+    from assets.launch import LaunchRefused, check_parent
     from pipelines.definitions import defs
+
+    from .progress import execute_live
 
     keys = instance.get_dynamic_partitions(ITERATIONS.name)
     run_root = Path(args.run_root)
@@ -161,16 +212,23 @@ def cmd_run(args) -> int:
         check_parent(instance, int(it), run_root)
     except LaunchRefused as e:
         con.print(f"[red]error:[/red] {escape(str(e))}")
-        return 2
+        return 2, it
     if it not in keys:
         instance.add_dynamic_partitions(ITERATIONS.name, [it])
-    con.print(f"[bold]temper[/] iteration {it} on [bold]{escape(args.preset)}[/] → {run_root / f'iteration-{int(it):04d}'}")
-    t0 = time.perf_counter()
-    res = defs.resolve_job_def("iteration").execute_in_process(
-        run_config=run_config, instance=instance, partition_key=it, raise_on_error=False)
-    wall = time.perf_counter() - t0
     run_dir = run_root / f"iteration-{int(it):04d}"
-    out = summary(run_dir, _step_seconds(res), wall, con)
+    log_path = run_dir / "dagster.log"
+    con.print(f"[bold]temper[/] iteration {it} on [bold]{escape(args.preset)}[/] → {run_dir} · log: {log_path}")
+    t0 = time.perf_counter()
+    res, board = execute_live(defs.resolve_job_def("iteration"), run_config, instance, it, log_path=log_path,
+                              console=con, stages=STAGES, title=f"iteration {it}",
+                              echo_level=logging.getLevelName(str(args.log_level).upper()))
+    wall = time.perf_counter() - t0
+    for r in (board.rows[n] for n in board.order):
+        if r.state == "failed":
+            con.print(f"[red]{r.name} failed:[/] {escape(_short(r.error))}")
+    if not res.success and board.run_error and not any(r.state == "failed" for r in board.rows.values()):
+        con.print(f"[red]the run failed:[/] {escape(_short(board.run_error))}")
+    out = summary(run_dir, _step_seconds(res), wall, con, states={n: r.state for n, r in board.rows.items()})
     (run_dir / "summary.json").write_text(json.dumps({**out, "iteration": it, "success": res.success,
                                                       "run_id": res.run_id}, indent=1))
     if not res.success:
@@ -184,16 +242,37 @@ def cmd_run(args) -> int:
         rule = configs.load(args.preset, args.override).hand_off
         _, why = stages.hand_off(rule, ev["student"], ws, bool(ev.get("registered", {}).get("champion_moved")))
         hint = f"again: {cmd} (iteration {int(it) + 1} starts from what iteration {it} hands off: {why.split(':')[0]})"
+        _print_curve(run_dir, con)
     else:
         hint = f"again: {cmd} reruns iteration {it} from its last finished step"
     from .ui import ui_urls
 
     dagster_ui, mlflow_ui = ui_urls()[0], run_config["resources"]["temper"]["config"]["mlflow_ui"]  # from config
-    con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'}.\n"
+    con.print(f"Dagster run {res.run_id} {'succeeded' if res.success else '[red]failed[/]'} · full log: {log_path}\n"
               f"Next: [bold]make ui[/] → Dagster {dagster_ui} (assets, lineage, this run) · "
               f"MLflow {mlflow_ui} (curves, the `temper-student` model and its champion alias).\n"
               f"Files: {run_dir} · trajectories: {run_root / 'trajectories.duckdb'} · {hint}")
-    return 0 if res.success else 1
+    return (0 if res.success else 1), it
+
+
+def _short(error: str, lines: int = 3) -> str:
+    """The first lines of an error (the traceback is in the log)."""
+    out = [x for x in error.strip().splitlines() if x.strip()][:lines]
+    return "\n".join(out)[:600]
+
+
+def _print_curve(run_dir: Path, con) -> None:
+    """The scaling curve so far (the `scaling` asset's table: the policy each iteration hands off, its held-out pass@1
+    and the compute spent; the fit and its forecast once there are enough iterations)."""
+    path = run_dir / "scaling.json"
+    if not path.exists():
+        return
+    from rich.markup import escape
+
+    from stages.scaling import curve_table
+
+    con.print("[bold]the curve so far[/] (held-out pass@1 of each iteration's hand-off):\n"
+              + escape(curve_table(json.loads(path.read_text()))))
 
 
 def next_iteration(run_root: Path) -> tuple[int, bool]:
@@ -211,21 +290,41 @@ def next_iteration(run_root: Path) -> tuple[int, bool]:
 
 
 def _mark_failed(run_root: Path, iteration: str) -> None:
-    """A failed iteration's MLflow runs say FAILED, not RUNNING forever."""
-    db = run_root / "mlflow.db"
-    if not db.exists():
-        return
-    from store.tracking import Tracker
+    """A failed iteration's MLflow runs say FAILED, not RUNNING forever (in the store the run used: the sqlite file
+    under the run root, or $TEMPER_MLFLOW_URI's database)."""
+    from store.tracking import Tracker, tracking_uri
 
-    Tracker(f"sqlite:///{db.resolve()}").fail_iteration(iteration)
+    uri = tracking_uri(run_root)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return
+    Tracker(uri, artifacts=(Path(run_root).resolve() / "mlartifacts").as_uri()).fail_iteration(iteration)
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of iterations")
+    return n
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("run", help="one post-training iteration as a Dagster run, with a summary table")
     r.add_argument("--preset", default="tiny")
-    r.add_argument("--iteration", type=int, default=None, help="default: the next one")
+    which = r.add_mutually_exclusive_group()
+    which.add_argument("--iteration", type=int, default=None, help="this iteration (default: the next one)")
+    which.add_argument("--iterations", type=_positive, default=None, metavar="K",
+                       help="K iterations in a row, each from what the one before it hands off; stops at the first "
+                            "that fails")
     r.add_argument("--run-root", default="runs/pipeline")
-    r.add_argument("--log-level", default="INFO")
+    r.add_argument("--log-level", default="WARNING",
+                   help="the run's log messages at or above this level are printed above the live stage table "
+                        "(default WARNING; INFO: the stages' messages; DEBUG: every Dagster event); the iteration's "
+                        "dagster.log has them all")
     r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     r.add_argument("--servers", type=int, default=0, metavar="N",
                    help="disaggregated: every generating stage (rollouts, SAO, OPD, evaluation) drives N embedded engine "

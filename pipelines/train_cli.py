@@ -292,7 +292,10 @@ def cmd_base(args) -> int:
     command = "temper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (out / "run.json").write_text(json.dumps({"command": command, "args": vars(args),
                                               "config": cfg.model_dump(mode="json")}, indent=1, default=str))
-    model, record = train_base(cfg, out, tok, sandbox, steps=args.steps, log=con.print, phase1=args.phase1)
+    from .progress import step_log
+
+    with step_log(con, "base") as log:  # its "base step k/N" lines move a bar (elapsed, time left)
+        model, record = train_base(cfg, out, tok, sandbox, steps=args.steps, log=log, phase1=args.phase1)
     ckpt = out / "checkpoint"
     save_checkpoint(model, ckpt, policy_version=0)
     specs = eval_specs(cfg.base)

@@ -13,12 +13,29 @@ import sys
 import time
 from pathlib import Path
 
+PG_URL_ENV = "TEMPER_DAGSTER_PG_URL"  # set: the instance keeps runs, events and schedules in this PostgreSQL database
 
-def dagster_home(root: Path) -> Path:
-    """`runs/dagster_home` with the project's dagster.yaml: the instance both `make ui` and `temper run` use."""
+
+def instance_yaml(env=None) -> Path:
+    """The instance config: the project's dagster.yaml (SQLite files in DAGSTER_HOME, the default), or with
+    $TEMPER_DAGSTER_PG_URL set deploy/dagster.yaml, the same settings with dagster-postgres storage at that URL."""
+    env = os.environ if env is None else env
+    repo = Path(__file__).resolve().parents[1]  # works from any cwd
+    if not env.get(PG_URL_ENV):
+        return repo / "dagster.yaml"
+    from store.tracking import sql_url_problem
+
+    if why := sql_url_problem(env[PG_URL_ENV]):
+        raise ValueError(f"${PG_URL_ENV}: {why}")
+    return repo / "deploy" / "dagster.yaml"
+
+
+def dagster_home(root: Path, env=None) -> Path:
+    """`runs/dagster_home` with the instance config (`instance_yaml`): the instance both `make ui` and `temper run`
+    use."""
     home = root / "runs" / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(Path(__file__).resolve().parents[1] / "dagster.yaml", home / "dagster.yaml")  # works from any cwd
+    shutil.copy(instance_yaml(env), home / "dagster.yaml")
     return home
 
 
@@ -34,14 +51,17 @@ def ui_urls(env=None) -> tuple[str, str]:
 
 
 def commands(root: Path, host: str, dagster_port: int, mlflow_port: int) -> list[list[str]]:
-    """The webserver, the daemon (sensors) and the MLflow server, on `host`."""
+    """The webserver, the daemon (sensors) and the MLflow server, on `host`; MLflow serves the store the runs
+    track into (`runs/pipeline/mlflow.db`, or $TEMPER_MLFLOW_URI's database)."""
+    from store.tracking import tracking_uri
+
     bin_ = Path(sys.executable).parent
     workspace = str(Path(__file__).resolve().parents[1] / "workspace.yaml")
     return [
         [str(bin_ / "dagster-webserver"), "-w", workspace, "-h", host, "-p", str(dagster_port)],
         [str(bin_ / "dagster-daemon"), "run", "-w", workspace],
         [str(bin_ / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'runs' / 'pipeline' / 'mlflow.db'}"],
+         "--backend-store-uri", tracking_uri(root / "runs" / "pipeline")],
     ]
 
 
@@ -54,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlflow-port", type=int, default=MLFLOW_PORT)
     args = ap.parse_args(argv)
     root = Path.cwd()
-    home = dagster_home(root)
+    try:
+        home = dagster_home(root)
+    except ValueError as e:  # $TEMPER_DAGSTER_PG_URL names a database SQLAlchemy cannot open
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     (root / "runs" / "pipeline").mkdir(parents=True, exist_ok=True)
     mlflow_ui = f"http://{args.host}:{args.mlflow_port}"
     env = {**os.environ, "DAGSTER_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true",

@@ -73,7 +73,9 @@ def rl_set(envs: dict) -> str:
     return envs.get("rl") or envs["train"]
 
 
-def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
+def verified_envs(cfg, specs: dict, out: Path, log=_quiet, progress=None) -> dict:
+    """Gate every environment of the SFT and RL sets (`progress(k, n, what)`, when given, hears how many are
+    judged)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from envs import make_sandbox
@@ -106,8 +108,20 @@ def verified_envs(cfg, specs: dict, out: Path, log=_quiet) -> dict:
             tmp.replace(path)
         return rep, False
 
+    import threading
+
+    lock, done = threading.Lock(), [0]
+
+    def judged_one(i: int) -> tuple[GateReport, bool]:
+        r = judge(i)
+        with lock:
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], len(every), "gate")
+        return r
+
     with ThreadPoolExecutor(cfg.envs.validate_workers) as pool:  # each validation is sandboxed subprocesses
-        judged = list(pool.map(judge, range(len(every))))
+        judged = list(pool.map(judged_one, range(len(every))))
     reports, reused = [r for r, _ in judged], sum(kept for _, kept in judged)
     log(f"validated {len(every)} environments: {sum(r.accepted for r in reports)} accepted"
         + (f" ({reused} verdicts kept from an earlier attempt)" if reused else ""))

@@ -16,7 +16,7 @@ from .recorder import Recorder
 def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, str] | None = None, log=_quiet,
                urls: list[str] | None = None, router_url: str = "", store_path: Path | None = None,
                out: Path | None = None, iteration: int = 0, taught: list[str] | None = None,
-               warm_val: dict[str, float] | None = None) -> dict:
+               warm_val: dict[str, float] | None = None, progress=None) -> dict:
     """Held-out greedy pass@1 of the student and of the warm start on the same tasks, per domain and overall,
     with 95% Wilson intervals and an exact McNemar test of the paired outcomes (tasks that flipped each way);
     and each domain expert on its own domain (the teacher the student is measured against). `taught`: the
@@ -28,7 +28,8 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     The decision (`decision`: whether the student is a significant gain, which moves the `champion` and so the
     hand-off) reads the validation set, never the held-out one: the student and the warm start on `envs["val"]`,
     paired (the warm start's greedy outcomes reused from OPD's teacher gate where it ran the same checkpoint on the
-    same tasks: `warm_val`, spec id -> reward). Without a validation set there is no decision: the champion stays."""
+    same tasks: `warm_val`, spec id -> reward). Without a validation set there is no decision: the champion stays.
+    `progress(k, n, what)`, when given, hears how many policies of the stage have played."""
     import itertools
     import tempfile
     from collections import defaultdict
@@ -44,6 +45,9 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     rec, consumption = Recorder(store_path), []
     work = Path(out) if out else Path(tempfile.mkdtemp(prefix="temper-eval-"))
     loads = itertools.count(1)  # each policy the servers load gets its own version
+
+    n_runs = 2 + (1 if envs.get("val") else 0) * 2 + len(experts or {})
+    played = itertools.count(1)
 
     def run(ckpt: str, specs, who: str) -> dict:
         from rollout.backend import ServerBackend
@@ -65,6 +69,8 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
         except CrashedShareExceeded:
             rec.flush(consumption)  # the lost episodes go to the store, to be read
             raise
+        if progress is not None:  # (an upper bound of the policies to play: reused outcomes skip some)
+            progress(min(next(played), n_runs), n_runs, "policies")
         return ev
 
     crashes = CrashTally()  # every episode of the stage, every policy's

@@ -4,7 +4,11 @@ The assets launch `python -m stages.step <stage>` with `dagster.PipesSubprocessC
 stage, the preset and overrides, and the stage's arguments. The result comes back through Pipes: as a custom
 message (`{"stage", "result"}`) and, when the extras ask for it (`materialize`), as the asset's materialisation,
 with the result as its `result` JSON metadata beside the scalar fields; progress goes to the run's log via
-`pipes.log`.
+`pipes.log`. A stage function that takes `progress` gets `progress(k, n, what)` (`progress_reporter`): a line
+"<what>: progress k/n" in the run's log at most every few seconds, which `temper run` shows as the stage's k of N
+(training stages report "… step k/N …" lines of their own). With `TEMPER_STAGE_OUTPUT` set (a file; `temper run`
+sets it to the run's log) the child's own stdout and stderr, and its children's, are appended there instead of
+reaching the terminal.
 
 Cancellation: the child leads its own process group. On SIGINT or SIGTERM (what Dagster's Pipes client
 forwards when a run is cancelled), or when its parent dies, it kills the whole group — itself, the
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 PATH_ARGS = ("out", "store_path")
+OUTPUT_ENV = "TEMPER_STAGE_OUTPUT"
 
 
 def _kill_group(*_args) -> None:
@@ -37,6 +42,33 @@ def _watch_parent(parent: int) -> None:
         if os.getppid() != parent:
             _kill_group()
         time.sleep(0.5)
+
+
+def progress_reporter(log, min_interval: float = 2.0, clock=time.monotonic):
+    """`progress(k, n, what="")` → a log line "<what>: progress k/n", at most one every `min_interval` seconds
+    (the first and the last, k = n, always)."""
+    last: list[float] = []
+
+    def progress(k: int, n: int, what: str = "") -> None:
+        now = clock()
+        if last and k < n and now - last[0] < min_interval:
+            return
+        last[:] = [now]
+        log(f"{what + ': ' if what else ''}progress {k}/{n}")
+
+    return progress
+
+
+def redirect_output(path: str | None) -> None:
+    """Append this process's stdout and stderr (file descriptors 1 and 2, inherited by its children) to `path`."""
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for std in (sys.stdout, sys.stderr):
+        std.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log, metrics=None) -> dict:
@@ -55,6 +87,8 @@ def run_stage(stage: str, preset: str, overrides: list[str], kwargs: dict, log, 
         args["log"] = log
     if metrics is not None and "metrics" in params:
         args["metrics"] = metrics
+    if "progress" in params:
+        args["progress"] = progress_reporter(log)
     return fn(cfg, **args)
 
 
@@ -72,6 +106,7 @@ def live_metrics(spec: dict | None):
 def main() -> int:
     from dagster_pipes import open_dagster_pipes
 
+    redirect_output(os.environ.get(OUTPUT_ENV))
     if os.getpid() != os.getpgid(0):
         os.setpgid(0, 0)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,7 +1,8 @@
 """MLflow tracking, called directly (one run per iteration, nested runs per stage, batched metrics).
 
-Only this room imports mlflow. The tracking URI defaults to a sqlite file (MLflow 3's default store);
-telemetry is off.
+Only this room imports mlflow. The tracking URI is the resource's `mlflow_uri`, else $TEMPER_MLFLOW_URI (a
+database URI such as `postgresql://temper@db:5432/mlflow` for a shared deployment: MLflow's SQL store), else a
+sqlite file under the run root (MLflow 3's default store); telemetry is off.
 """
 
 from __future__ import annotations
@@ -30,17 +31,59 @@ def git_commit(repo: Path | None = None) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def artifact_root(tracking_uri: str) -> str | None:
-    """Where a new experiment keeps its artifacts: next to a sqlite store (`<db dir>/mlartifacts`), not
-    MLflow's default `./mlruns` in whatever directory the process was started from. None: MLflow's
-    choice (a file store keeps artifacts inside itself; a server has its own root)."""
-    if tracking_uri.startswith("sqlite:///"):
-        return (Path(tracking_uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL store (`postgresql+psycopg2://` too)
+
+
+def tracking_uri(run_root: str | Path, configured: str = "", env=None) -> str:
+    """The MLflow tracking URI of a run root: `configured` (the `temper` resource's `mlflow_uri`), else
+    $TEMPER_MLFLOW_URI, else the sqlite file `<run_root>/mlflow.db` (the embedded default). Keep a database
+    password out of the URI (it is recorded in run tags): libpq reads $PGPASSWORD or ~/.pgpass."""
+    env = os.environ if env is None else env
+    return configured or env.get("TEMPER_MLFLOW_URI") or f"sqlite:///{Path(run_root).resolve() / 'mlflow.db'}"
+
+
+def is_sql_store(uri: str) -> bool:
+    return uri.split(":", 1)[0].split("+", 1)[0] in SQL_SCHEMES
+
+
+def sql_url_problem(uri: str) -> str | None:
+    """Why SQLAlchemy cannot open the database URL `uri` with the drivers installed (None: it can, or `uri` is not a
+    database URL). SQLAlchemy 2.1 opens a bare `postgresql://` with psycopg 3; dagster-postgres brings psycopg2, so
+    write `postgresql+psycopg2://`. The message names the scheme only, never the URL (it may hold a password)."""
+    scheme = uri.split(":", 1)[0]
+    if not (is_sql_store(uri) or scheme == "postgres") or scheme == "sqlite":
+        return None
+    from sqlalchemy.engine.url import make_url
+
+    hint = "write postgresql+psycopg2://USER@HOST:PORT/DB (psycopg2-binary comes with dagster-postgres)"
+    try:
+        dialect = make_url(uri).get_dialect()
+    except Exception:  # noqa: BLE001 - sqlalchemy's ArgumentError / NoSuchModuleError
+        return f"SQLAlchemy cannot open a `{scheme}://` URL: {hint}"
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        return f"`{scheme}://` needs the driver {e.name!r}, which is not installed: {hint}"
     return None
 
 
+def artifact_root(tracking_uri: str, default: str | None = None, env=None) -> str | None:
+    """Where a new experiment keeps its artifacts: $TEMPER_MLFLOW_ARTIFACTS (a path or a URI) when set, else next
+    to a sqlite store (`<db dir>/mlartifacts`), else `default` for another database store (the caller's run root:
+    not MLflow's `./mlruns` in whatever directory the process was started from). None: MLflow's choice (a file
+    store keeps artifacts inside itself; a server has its own root)."""
+    env = os.environ if env is None else env
+    if where := env.get("TEMPER_MLFLOW_ARTIFACTS"):
+        return Path(where).resolve().as_uri() if "://" not in where else where
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    return default if is_sql_store(tracking_uri) else None
+
+
 class Tracker:
-    def __init__(self, tracking_uri: str, experiment: str = "temper"):
+    def __init__(self, tracking_uri: str, experiment: str = "temper", artifacts: str | None = None):
+        """`artifacts`: the artifact root of the experiment if this creates it and the store is a database
+        other than sqlite (`artifact_root`)."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -49,7 +92,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
-            experiment, artifact_location=artifact_root(tracking_uri))
+            experiment, artifact_location=artifact_root(tracking_uri, artifacts))
         self.uri = tracking_uri
 
     def start(self, name: str, parent_run_id: str | None = None, tags: dict | None = None) -> str:
@@ -134,26 +177,67 @@ class Tracker:
     def artifact(self, run_id: str, path: str | Path) -> None:
         self.client.log_artifact(run_id, str(path))
 
+    def log_model(self, name: str, run_id: str, checkpoint: str | Path, *, metrics: dict[str, dict[str, float]] | None = None,
+                  datasets: dict[str, tuple[str | Path, str]] | None = None, tags: dict | None = None,
+                  params: dict | None = None, copy: bool = True, model_type: str = "glm_moe_dsa") -> str:
+        """Log `checkpoint` as an MLflow 3 LoggedModel produced by run `run_id`; return its model id (`models:/<id>`).
+
+        `copy`: the checkpoint directory becomes the model's artifacts; else they reference it (`checkpoint.json`
+        and the `checkpoint` param hold its absolute path). `datasets` (name → (directory, context), its digest from
+        `dataset_digest`) become the run's inputs, and `metrics` (dataset name, or "" for none → {metric: value})
+        the model's metrics, each tied to its dataset by name and digest: the model page lists them under Metrics
+        and Datasets used."""
+        from mlflow.entities import LoggedModelOutput, Metric
+
+        sets = {k: (dataset_digest(src), str(Path(src).resolve()), ctx) for k, (src, ctx) in (datasets or {}).items()}
+        if unknown := {k for k in (metrics or {}) if k and k not in sets}:
+            raise ValueError(f"metrics on datasets not given: {sorted(unknown)}")
+        lm = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=run_id,
+                                             tags={k: str(v) for k, v in (tags or {}).items()} or None,
+                                             params={"checkpoint": str(Path(checkpoint).resolve()),
+                                                     **{k: str(v) for k, v in (params or {}).items()}},
+                                             model_type=model_type)
+        if copy:
+            self.client.log_model_artifacts(lm.model_id, str(checkpoint))
+        else:
+            import json
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "checkpoint.json").write_text(json.dumps({"checkpoint": str(Path(checkpoint).resolve())}))
+                self.client.log_model_artifacts(lm.model_id, tmp)
+        self.client.finalize_logged_model(lm.model_id, "READY")
+        if sets:
+            self.log_datasets(run_id, sets)
+        self.client.log_outputs(run_id, [LoggedModelOutput(lm.model_id, 0)])
+        now = int(time.time() * 1000)
+        ms = [Metric(k, float(v), now, 0, model_id=lm.model_id, dataset_name=ds or None,
+                     dataset_digest=sets[ds][0][:36] if ds else None)
+              for ds, vals in (metrics or {}).items() for k, v in vals.items() if v is not None]
+        for i in range(0, len(ms), 900):
+            self.client.log_batch(run_id, metrics=ms[i : i + 900])
+        return lm.model_id
+
     def register_student(self, name: str, run_id: str, checkpoint: str, score: float, significant: bool = True,
-                         p_value: float | None = None) -> dict:
-        """Register the student as a model version; move the `champion` alias only when its improvement over
-        its warm start is significant (`significant`, from the paired test) and it beats the champion's score."""
-        try:
-            self.client.get_registered_model(name)
-        except Exception:  # noqa: BLE001 - mlflow raises its own not-found error type
-            self.client.create_registered_model(name)
+                         p_value: float | None = None, *, model_run_id: str | None = None,
+                         metrics: dict[str, dict[str, float]] | None = None,
+                         datasets: dict[str, tuple[str | Path, str]] | None = None) -> dict:
+        """Log the student as a LoggedModel (a copy of its checkpoint; `metrics` and `datasets` as in `log_model`,
+        plus `champion_score`, the `score` the champion rule reads) produced by `model_run_id` (default `run_id`),
+        register it from `models:/<id>` as a version of `name`, and move the `champion` alias only when its
+        improvement over its warm start is significant (`significant`, from the paired test) and `score` beats the
+        champion's."""
         tags = {"pass_at_1": f"{score:.4f}", "significant": str(bool(significant))}
         if p_value is not None:
             tags["p_value"] = f"{p_value:.4g}"
-        # a LoggedModel holds a copy of the checkpoint in the artifact store; the version is registered from it,
-        # by its absolute artifact URI
-        lm = self.client.create_logged_model(self.experiment_id, name=name, source_run_id=run_id, tags=tags,
-                                             params={"checkpoint": str(Path(checkpoint).resolve())},
-                                             model_type="glm_moe_dsa")
-        self.client.log_model_artifacts(lm.model_id, str(checkpoint))
-        self.client.finalize_logged_model(lm.model_id, "READY")
-        mv = self.client.create_model_version(name, source=lm.artifact_location, run_id=run_id,
-                                              tags={**tags, "logged_model_id": lm.model_id}, model_id=lm.model_id)
+        metrics = {**(metrics or {})}
+        metrics[""] = {**metrics.get("", {}), "champion_score": score}
+        model_id = self.log_model(name, model_run_id or run_id, checkpoint, metrics=metrics, datasets=datasets,
+                                  tags={**tags, "temper_run": run_id})
+        # registering from `models:/<id>` also tags the LoggedModel with its version (the model page's "Model
+        # versions"); mlflow's registry reads the logged model through the process-wide tracking URI: this one
+        self.mlflow.set_tracking_uri(self.uri)
+        mv = self.mlflow.register_model(f"models:/{model_id}", name, tags={**tags, "logged_model_id": model_id})
         try:
             champ = self.client.get_model_version_by_alias(name, "champion")
             best = float(champ.tags.get("pass_at_1", "-1"))
@@ -167,10 +251,39 @@ class Tracker:
         why = ("beats the champion significantly" if moved else "no significant gain over its warm start"
                if not significant else f"pass@1 {score:.4f} does not beat the champion's {best:.4f}")
         return {"version": int(mv.version), "champion_moved": moved, "previous_best": best, "reason": why,
-                "model_id": lm.model_id, "model_uri": lm.artifact_location}
+                "model_id": model_id, "model_uri": f"models:/{model_id}",
+                "artifact_location": self.client.get_logged_model(model_id).artifact_location}
 
     def run_link(self, run_id: str) -> str:
         return f"{self.uri} · experiment {self.experiment_id} · run {run_id}"
+
+
+def dataset_digest(path: str | Path) -> str:
+    """A dataset directory's sha256: the one its `manifest.json` records (temper's env datasets, envs/dataset.py),
+    else one over its files (relative names and bytes, in sorted order)."""
+    import hashlib
+    import json
+
+    path = Path(path)
+    try:
+        return str(json.loads((path / "manifest.json").read_text())["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def pass_at_1_metrics(summaries: dict[str, dict]) -> dict[str, float]:
+    """Metrics of pass@1 summaries (`trainers.stats.summarize`: pass@1 and its 95% interval) by group:
+    `pass_at_1_<group>` and its bounds `pass_at_1_<group>_ci95_lo` / `_hi`; the group `all` is plain `pass_at_1`."""
+    out = {}
+    for g, s in summaries.items():
+        key = "pass_at_1" if g == "all" else f"pass_at_1_{g}"
+        out[key] = float(s["pass@1"])
+        out[f"{key}_ci95_lo"], out[f"{key}_ci95_hi"] = (float(x) for x in s["ci95"])
+    return out
 
 
 def curve_png(curves: dict[str, list[float]], title: str, path: str | Path) -> Path | None:

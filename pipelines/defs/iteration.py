@@ -13,6 +13,7 @@ from assets.iteration import (
     verified_envs,
     warm_start,
 )
+from assets.scaling import scaling
 
 __all__ = ["POLICY", "env_specs", "evaluation", "hack_probes", "opd_student", "rewards", "rollout_batches", "sao_experts",
-           "triad_pass_rate", "verified_envs", "warm_start"]
+           "scaling", "triad_pass_rate", "verified_envs", "warm_start"]

@@ -20,7 +20,7 @@ def test_definitions_load_and_validate():
     dg.Definitions.validate_loadable(defs)
     keys = {k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys()}
     assert keys == {"env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts",
-                    "opd_student", "evaluation", "policy"}
+                    "opd_student", "evaluation", "policy", "scaling"}
     assert defs.resolve_job_def("iteration").partitions_def == ITERATIONS
     assert {s.name for s in defs.sensors} == {"recurring_iterations", "next_iteration_on_evaluation",
                                               "mark_failed_iterations"}
@@ -48,6 +48,12 @@ def test_lineage_is_the_data_flow():
             assert "_load" not in ast.unparse(fn)  # no side-file reads
             if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_handed_off" for c in ast.walk(fn)):
                 reads[fn.name].add("policy")  # what iteration N−1 hands off, from the `policy` records
+    import importlib
+
+    sc = importlib.import_module("assets.scaling")  # (the package's `scaling` is the asset)
+    body = ast.parse(inspect.getsource(sc.scaling_body)).body[0]
+    reads["scaling"] = {c.args[1].value for c in ast.walk(body) if isinstance(c, ast.Call)
+                        and ast.unparse(c.func) == "_upstream" and isinstance(c.args[1], ast.Constant)}
     graph = defs.resolve_asset_graph()
     declared = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                 for k in graph.get_all_asset_keys()}
@@ -116,13 +122,29 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
         champ = None
     assert (champ is not None) == any(sig)  # the alias moves only on a significant improvement on validation
     versions = client.search_model_versions("name = 'temper-student'")
-    assert len(versions) == 2  # every student is registered, from a LoggedModel holding a copy of its weights
+    assert len(versions) == 2  # every student is registered from models:/<id>, a LoggedModel with a copy of its weights
     for v in versions:
         lm = client.get_logged_model(v.tags["logged_model_id"])
-        assert v.source == lm.artifact_location and urlparse(v.source).scheme == "file"
-        where = Path(urlparse(v.source).path)
+        assert v.source == f"models:/{lm.model_id}"
+        where = Path(urlparse(lm.artifact_location).path)
         assert where.is_absolute() and (where / "model.safetensors").is_file()
         assert lm.source_run_id == v.run_id and str(lm.status).endswith("READY")
+        src = client.get_run(lm.source_run_id)  # trained by the iteration's OPD stage run
+        it = src.data.tags["temper_iteration"]
+        assert src.data.tags["temper_stage"] == "opd_student"
+        ev_it = json.loads((tmp_path / "runs" / f"iteration-000{it}" / "evaluation.json").read_text())
+        held = {m.key: m for m in lm.metrics if m.dataset_name == f"iteration-{it}-held_out"}
+        assert held["pass_at_1"].value == pytest.approx(ev_it["pass@1_after"])
+        assert [held["pass_at_1_ci95_lo"].value, held["pass_at_1_ci95_hi"].value] == ev_it["stats"]["all"]["after"]["ci95"]
+        digests = {d.dataset.name: d.dataset.digest for d in src.inputs.dataset_inputs}
+        assert held["pass_at_1"].dataset_digest == digests[f"iteration-{it}-held_out"]
+        assert f"iteration-{it}-rl_verified" in digests
+    # each expert scored on its own held-out domain is a LoggedModel too, with that pass@1
+    experts = [m for m in client.search_logged_models([exp.experiment_id]) if m.name.startswith("temper-expert-")]
+    want = sorted((f"temper-expert-{d}", round(s["pass@1"], 6)) for i in (1, 2) for d, s in json.loads(
+        (tmp_path / "runs" / f"iteration-000{i}" / "evaluation.json").read_text())["teacher_stats"].items())
+    assert sorted((e.name, round(next(m.value for m in e.metrics if m.key == f"pass_at_1_{e.name.split('-')[-1]}"), 6))
+                  for e in experts) == want
     it_run = runs[0]
     assert it_run.data.tags["dagster_partition"] == it_run.data.tags["temper_iteration"]
     assert it_run.data.tags["dagster_run_id"] in {r1.run_id, r2.run_id}

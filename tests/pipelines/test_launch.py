@@ -211,9 +211,14 @@ def test_temper_runs_hint_is_the_exact_command_and_the_mlflow_link_comes_from_co
     seen = {}
 
     class Job:
+        loggers: dict = {}
+
+        def with_logger_defs(self, logger_defs):  # `temper run` adds its live board's and log file's logger
+            return self
+
         def execute_in_process(self, run_config, instance, partition_key, raise_on_error):
             seen["config"] = run_config
-            (tmp_path / "runs" / "pipeline" / f"iteration-{int(partition_key):04d}").mkdir(parents=True)
+            (tmp_path / "runs" / "pipeline" / f"iteration-{int(partition_key):04d}").mkdir(parents=True, exist_ok=True)
             return argparse.Namespace(success=False, run_id="r1", all_events=[])
 
     monkeypatch.setattr(definitions, "defs", argparse.Namespace(resolve_job_def=lambda name: Job()))

@@ -21,10 +21,14 @@ def test_rollouts_through_two_servers_by_url(tmp_path):
     envs = stages.verified_envs(cfg, specs, tmp_path / "verified")
     torch.manual_seed(1)
     save_checkpoint(Transformer(cfg.model), tmp_path / "policy", policy_version=1)
+    heard = []  # what `temper run` shows as the stage's k of N (stages/step.py passes a reporter)
     with embedded_servers(cfg.model, n=2, n_slots=4, max_len=cfg.agent.max_context + 8, seed=5) as urls:
         assert len(set(urls)) == 2
-        out = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, tmp_path / "t.duckdb", iteration=7, urls=urls)
+        out = stages.rollout_batches(cfg, str(tmp_path / "policy"), envs, tmp_path / "t.duckdb", iteration=7, urls=urls,
+                                     progress=lambda k, n, what: heard.append((k, n, what)))
     assert out["trajectories"] == envs["accepted"] > 0 and out["workers"] == urls
+    n = out["trajectories"]
+    assert heard == [(k, n, "rollouts") for k in range(1, n + 1)]  # one per episode as it finishes
     with TrajectoryStore(tmp_path / "t.duckdb", read_only=True) as st:
         trajs = st.read(iteration=7)
     assert len(trajs) == out["trajectories"]
