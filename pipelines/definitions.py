@@ -35,7 +35,19 @@ def make_resources(temper: TemperResource | None = None, rollout: RolloutBackend
             "trainer": trainer or TrainerBackend()}
 
 
+def _defs_folder() -> dg.Definitions:
+    """`pipelines/defs/`: in the checkout through pyproject.toml's [tool.dg] (as `dg` loads it); where temper is
+    installed from a wheel there is no pyproject.toml beside the packages (and dg's search upwards from site-packages
+    would find nothing, or another project's), so the component tree is rooted at the installed `pipelines.defs`."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        return dg.load_from_defs_folder(project_root=root)
+    import pipelines.defs
+
+    return dg.ComponentTree(defs_module=pipelines.defs, project_root=root, code_location_name="temper").build_defs()
+
+
 defs = dg.Definitions.merge(
-    dg.load_from_defs_folder(project_root=Path(__file__).resolve().parents[1]),  # pipelines/defs/
+    _defs_folder(),  # pipelines/defs/
     dg.Definitions(resources=launch_checked(make_resources())),  # checked when a run is planned: before it exists
 )

@@ -161,6 +161,14 @@ def cmd_run(args) -> int:
     except (configs.ConfigError, LaunchRefused) as e:
         con.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
+    from envs.sandbox import SandboxUnavailable, make_sandbox
+
+    try:  # the stages run agent code in a sandbox on this machine: without bubblewrap (or Docker) say so now, not as
+        # a stage that fails its retries with the reason only in the log
+        make_sandbox(configs.load(args.preset, args.override).envs.sandbox)
+    except SandboxUnavailable as e:
+        con.print(f"[red]error:[/red] {escape(str(e))}")
+        return 2
     root = Path.cwd()
     try:
         instance = _instance(root)

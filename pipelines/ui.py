@@ -6,7 +6,6 @@ Both run as child process groups; Ctrl-C or SIGTERM stops them cleanly.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,12 +29,33 @@ def instance_yaml(env=None) -> Path:
     return repo / "deploy" / "dagster.yaml"
 
 
+# The instance config's settings, for an installed temper: the wheel ships neither dagster.yaml (they sit in the
+# repository, beside pyproject.toml and in deploy/, not in a package). tests/test_packaging.py checks that an installed
+# temper writes what the checkout's two files say.
+INSTANCE_SETTINGS = {"telemetry": {"enabled": False}, "nux": {"enabled": False},
+                     "concurrency": {"pools": {"default_limit": 1}}}  # the duckdb_writer pool: one writer at a time
+PG_STORAGE = {"postgres": {"postgres_url": {"env": PG_URL_ENV}}}
+
+
+def instance_text(env=None) -> str:
+    """The instance config's text: the checkout's file (`instance_yaml`), or where temper is installed from a wheel,
+    which does not ship it, the same settings (`INSTANCE_SETTINGS`, plus `PG_STORAGE` with $TEMPER_DAGSTER_PG_URL)."""
+    env = os.environ if env is None else env
+    path = instance_yaml(env)  # checks $TEMPER_DAGSTER_PG_URL first
+    if path.is_file():
+        return path.read_text()
+    import yaml
+
+    cfg = {**INSTANCE_SETTINGS, **({"storage": PG_STORAGE} if env.get(PG_URL_ENV) else {})}
+    return "# written by temper (pipelines/ui.py: INSTANCE_SETTINGS)\n" + yaml.safe_dump(cfg, sort_keys=False)
+
+
 def dagster_home(root: Path, env=None) -> Path:
-    """`runs/dagster_home` with the instance config (`instance_yaml`): the instance both `make ui` and `temper run`
+    """`runs/dagster_home` with the instance config (`instance_text`): the instance both `make ui` and `temper run`
     use."""
     home = root / "runs" / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(instance_yaml(env), home / "dagster.yaml")
+    (home / "dagster.yaml").write_text(instance_text(env))
     return home
 
 

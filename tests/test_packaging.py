@@ -1,5 +1,5 @@
 """Packaging: the wheel builds without a deprecation warning, and installed outside the repository it gives a working
-`temper` that loads its presets and finds the shipped base.
+`temper` that loads its presets, finds the shipped base and runs an iteration (`temper run`) on the installed code.
 
 The wheel is built from a copy of the working tree (a stale `build/` of the checkout cannot leak into it) with this
 venv's setuptools (`--no-build-isolation`: no registry needed), then installed with `--no-deps` into a fresh venv
@@ -102,3 +102,93 @@ def test_installed_temper_runs_outside_the_repository(installed):
     assert out["base"] == str(installed["purelib"] / "checkpoints" / "tiny-base"), out
     assert out["presets"] == configs.preset_names()
     assert out["card"]
+
+
+# Imported by every interpreter of the test venv (the `temper` process and each stage's `python -m stages.step`); with
+# $TEMPER_TEST_IMPORTS set it appends, at exit, the process's argv and the file of every temper module it imported.
+RECORDER = """\
+import atexit, json, os, sys
+
+_OUT = os.environ.get("TEMPER_TEST_IMPORTS")
+_PKGS = set(os.environ.get("TEMPER_TEST_PACKAGES", "").split(","))
+
+
+def _record():
+    mods = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n.split(".")[0] in _PKGS}
+    line = json.dumps({"argv": sys.argv, "modules": mods}) + "\\n"
+    fd = os.open(_OUT, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+if _OUT:
+    atexit.register(_record)
+"""
+PACKAGES = ("temper_kernels", "model", "configs", "trainers", "pipelines", "envs", "rollout", "store", "assets", "stages")
+# the stages the assets run as `python -m stages.step <stage>` (assets/iteration.py; rewards and scaling run in-process)
+STAGE_PROCS = {"env_specs", "verified_envs", "warm_start", "rollout_batches", "sao_expert", "opd_student", "evaluation"}
+FAST = ["train.max_steps=6", "train.batch_size=4", "envs.n_train=4", "envs.n_eval=2", "envs.probes=false", "loop.steps=1",
+        "opd.steps=1", "sao.value_pretrain_steps=1", "sao.min_domain_reward=0"]
+
+
+def _clean_env(installed, **extra):
+    drop = ("TEMPER_DAGSTER_PG_URL", "TEMPER_MLFLOW_URI", "DAGSTER_HOME", "TEMPER_UNSAFE_NO_SANDBOX")
+    return {**{k: v for k, v in installed["env"].items() if k not in drop}, **extra}
+
+
+def test_installed_temper_runs_an_iteration_outside_the_repository(installed, tmp_path):
+    """`temper run` from the wheel, in a directory outside the checkout: the Dagster instance's config (the wheel
+    ships no dagster.yaml), the job's `pipelines/defs` (no pyproject.toml beside site-packages), the stages'
+    `python -m stages.step` subprocesses and the sandbox's tools all come from the installed copy."""
+    import yaml
+
+    (installed["purelib"] / "sitecustomize.py").write_text(RECORDER)
+    imports = tmp_path / "imports.jsonl"
+    env = _clean_env(installed, TEMPER_TEST_IMPORTS=str(imports), TEMPER_TEST_PACKAGES=",".join(PACKAGES))
+    temper = installed["venv"] / "bin" / "temper"
+    r = _run([str(temper), "run", "--preset", "micro", "--run-root", str(tmp_path / "runs"),
+              *(x for o in FAST for x in ("-o", o))], cwd=tmp_path, env=env)
+    it = tmp_path / "runs" / "iteration-0001"
+    assert (it / "evaluation.json").is_file(), r.stdout[-3000:]
+    assert json.loads((it / "summary.json").read_text())["success"] is True
+    # the instance `temper run` made under the cwd has the checkout's dagster.yaml settings
+    home = yaml.safe_load((tmp_path / "runs" / "dagster_home" / "dagster.yaml").read_text())
+    assert home == yaml.safe_load((ROOT / "dagster.yaml").read_text())
+
+    site, step = str(installed["purelib"]), str(installed["purelib"] / "stages" / "step.py")
+    records = [json.loads(line) for line in imports.read_text().splitlines()]
+    (main,) = [x for x in records if x["argv"][0] == str(temper)]
+    for mod in ("pipelines.run_cli", "pipelines.definitions", "pipelines.defs.iteration", "assets.iteration"):
+        assert main["modules"].get(mod, "").startswith(site), (mod, main["modules"].get(mod))
+    stage_procs = [x for x in records if x["argv"][1:2] and x["argv"][1] in STAGE_PROCS]
+    assert {x["argv"][1] for x in stage_procs} == STAGE_PROCS, [x["argv"] for x in records]
+    assert all(x["argv"][0] == step for x in stage_procs), [x["argv"] for x in stage_procs]  # the installed step.py
+    files = {f for x in records for f in x["modules"].values() if f}
+    assert files and not [f for f in files if not f.startswith(site)], sorted(f for f in files if not f.startswith(site))
+
+
+def test_installed_temper_run_says_when_there_is_no_sandbox(installed, tmp_path):
+    """Without `make` (which installs bubblewrap or says how), `temper run` with no bubblewrap on PATH and no Docker
+    engine refuses before anything runs, naming what to install."""
+    env = _clean_env(installed, PATH=str(installed["venv"] / "bin"), DOCKER_HOST="unix:///nonexistent/docker.sock")
+    r = subprocess.run([str(installed["venv"] / "bin" / "temper"), "run", "--preset", "micro", "--run-root",
+                        str(tmp_path / "runs")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "bubblewrap (bwrap) not found: apt-get install bubblewrap" in r.stdout, r.stdout
+    assert not (tmp_path / "runs").exists()  # refused before any run, partition or instance
+
+
+def test_installed_temper_writes_the_checkouts_instance_config(installed):
+    """The wheel ships neither dagster.yaml; an installed temper writes the same settings (and with
+    $TEMPER_DAGSTER_PG_URL the deployment's PostgreSQL storage)."""
+    import yaml
+
+    probe = ("import sys; from pipelines.ui import instance_text\n"
+             "print(instance_text({'TEMPER_DAGSTER_PG_URL': sys.argv[1]} if sys.argv[1:] else {}))\n")
+    for args, path in (([], ROOT / "dagster.yaml"),
+                       (["postgresql+psycopg2://temper@db:5432/dagster"], ROOT / "deploy" / "dagster.yaml")):
+        out = _run([str(installed["py"]), "-c", probe, *args], cwd=installed["cwd"], env=_clean_env(installed)).stdout
+        assert out.startswith("# written by temper"), out  # not a file of the checkout
+        assert yaml.safe_load(out) == yaml.safe_load(path.read_text())
