@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class CurriculumConfig(BaseModel):
@@ -66,6 +67,24 @@ class EnvConfig(BaseModel):
             except (KeyError, ValueError) as e:
                 raise ValueError(f"pattern {p!r}: {str(e).strip(chr(34) + chr(39))}") from None
         return v
+
+    @model_validator(mode="after")
+    def _curriculum_fits(self) -> EnvConfig:
+        """The curriculum can always share the RL set out: every fixed share (frontier_share of the set each) and every
+        signal pattern's min_tasks fit, whatever the probe finds. Refused at launch, naming the key."""
+        cc = self.curriculum
+        if not (cc.enabled and self.n_rl):
+            return self
+        n_pat = len(self.rl_source_patterns)
+        if cc.frontier_share * n_pat >= 1:
+            raise ValueError(f"envs.curriculum.frontier_share = {cc.frontier_share}: {n_pat} patterns could take "
+                             f"{cc.frontier_share * n_pat:.2f} of the RL set; it must be below 1 / {n_pat}")
+        need = cc.min_tasks * n_pat / (1 - cc.frontier_share * n_pat)
+        if self.n_rl < need - 1e-9:
+            raise ValueError(f"envs.n_rl = {self.n_rl} is too small for the curriculum over {n_pat} patterns: at least "
+                             f"{math.ceil(need - 1e-9)} (envs.curriculum.min_tasks = {cc.min_tasks}, frontier_share = "
+                             f"{cc.frontier_share}), or envs.curriculum.enabled = false")
+        return self
 
     @property
     def rl_source(self) -> tuple[int, int]:

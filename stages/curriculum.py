@@ -92,7 +92,7 @@ def choose_mix(figures: dict[str, dict], ladder: list[str], n_rl: int, cc) -> tu
         for p in rest:
             why[p].update(choice="fallback", why=why[p]["why"] + "; no pattern has signal: an even mix")
         weighted = dict.fromkeys(rest, 1.0)
-    n_fixed = max(cc.min_tasks, round(cc.frontier_share * n_rl)) if fixed else 0
+    n_fixed = max(cc.min_tasks, int(cc.frontier_share * n_rl)) if fixed else 0  # (fits: EnvConfig's check)
     if fixed and not weighted:  # only frontier or constant rungs: they share the whole set
         n_fixed = n_rl // len(fixed)
     budget = n_rl - n_fixed * len(fixed)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 # the config each asset's result depends on: what its stage function reads (checked against the stage's source by
 # tests/pipelines/test_inputs.py) plus what the asset body reads (the served engines: model, loop.n_slots,
-# agent.max_context, seed; rewards' envs.mine_every; warm_start's hand_off). A section covers all its leaves.
+# agent.max_context, seed; rewards' envs.mine_every; env_specs' and warm_start's hand_off). A section covers all its leaves.
 CONFIG_READS: dict[str, tuple[str, ...]] = {
-    "env_specs": ("base", "envs"),
+    "env_specs": ("agent", "base", "envs", "hand_off", "loop.batch_in_flight"),  # the curriculum samples a policy
     "verified_envs": ("envs.probe_every", "envs.probes", "envs.sandbox", "envs.validate_workers",
                       "loop.max_crashed_share"),
     "warm_start": ("agent", "base", "envs.sandbox", "hand_off", "loop.save_every", "model", "seed", "train", "trainer"),

@@ -71,13 +71,29 @@ def test_no_signal_anywhere_falls_back_to_an_even_mix_and_a_small_set_is_an_erro
         choose_mix({p: fig(0.5, 0.25, 0.5) for p in ladder}, ladder, 6, cc)
 
 
+def test_a_curriculum_that_cannot_share_the_rl_set_out_is_refused_at_launch():
+    # 12 rungs: fixed shares take at most 12 x 5% = 60%, min_tasks 4 x 12 = 48 must fit the other 40%: n_rl >= 120
+    configs.load("tiny", ["envs.n_rl=120"])
+    with pytest.raises(configs.ConfigError, match=r"envs.n_rl = 119 is too small .* at least 120"):
+        configs.load("tiny", ["envs.n_rl=119"])
+    with pytest.raises(configs.ConfigError, match=r"envs.curriculum.frontier_share = 0.1: 12 patterns"):
+        configs.load("tiny", ["envs.curriculum.frontier_share=0.1"])
+    configs.load("tiny", ["envs.n_rl=4", "envs.curriculum.enabled=false"])  # off: no constraint
+    # at the bound, the worst case (every rung fixed but one, the rest at min_tasks) fits exactly
+    cc = configs.load("tiny", ["envs.n_rl=120"]).envs.curriculum
+    ladder = [f"a?horizon={i}" for i in range(12)]
+    figures = {p: fig(0.3, 0.0) for p in ladder[:11]} | {ladder[11]: fig(0.5, 0.2, 0.4)}
+    mix, _ = choose_mix(figures, ladder, 120, cc)
+    assert sum(mix.values()) == 120 and min(mix.values()) >= cc.min_tasks
+
+
 def test_interleave_spreads_each_pattern_and_keeps_its_order():
     out = interleave({"a": ["a0", "a1", "a2", "a3"], "b": ["b0", "b1"]})
     assert out == ["a0", "b0", "a1", "a2", "b1", "a3"]
 
 
 def test_the_rl_set_draws_the_mix_and_the_probe_is_checked_against_the_held_out_set():
-    cfg = configs.load("tiny", ["envs.n_eval=24", "envs.n_val=24", "envs.n_rl=30"])
+    cfg = configs.load("tiny", ["envs.n_eval=24", "envs.n_val=24", "envs.n_rl=30", "envs.curriculum.enabled=false"])
     mix = {"calc-chain?horizon=1": 20, "set-const?horizon=2": 10}
     sets = build_sets(cfg.envs, cfg.base, lambda excluded: (mix, {"curriculum-probe": []}))
     assert Counter(pattern_key(s) for s in sets["rl"]) == mix

@@ -372,7 +372,8 @@ def test_a_stage_runs_in_a_docker_container_through_pipes(instance, tmp_path):
     from assets import StageRunner
 
     instance.add_dynamic_partitions(ITERATIONS.name, ["1"])
-    res = TemperResource(preset="tiny", overrides=["envs.n_rl=4", "envs.n_eval=2", "envs.probes=false"],
+    res = TemperResource(preset="tiny", overrides=["envs.n_rl=4", "envs.n_eval=2", "envs.probes=false",
+                                                           "envs.curriculum.enabled=false"],
                          run_root=str(tmp_path / "runs"))
     sel = dg.AssetSelection.keys("env_specs", "verified_envs", "warm_start")
     out = dg.materialize(ALL_ASSETS + ALL_CHECKS, selection=sel, partition_key="1", instance=instance,
