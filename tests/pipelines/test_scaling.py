@@ -43,7 +43,7 @@ def test_the_bootstrap_intervals_cover_the_fit_and_the_prediction_is_wider():
     lo, hi = fc["ci95"]
     plo, phi = fc["prediction_ci95"]
     assert plo <= lo <= hi <= phi and (phi - plo) > (hi - lo)  # a measurement adds its own binomial noise
-    assert bootstrap(c, k, n, 72, 240, 8e4, draws=50, seed=1) == bootstrap(c, k, n, 72, 240, 8e4, draws=50, seed=1)
+    assert bootstrap(c, k, n, 72, 240, 8e4, draws=20, seed=1) == bootstrap(c, k, n, 72, 240, 8e4, draws=20, seed=1)
 
 
 def _stats(before: tuple[int, int], after: tuple[int, int]) -> dict:
@@ -83,9 +83,9 @@ def test_the_forecast_made_before_an_iteration_is_checked_against_it(tmp_path):
     ks = [round(240 * float(sigmoid_curve([c], r0, a, b, c_mid)[0])) for c in cum]
     for it in range(1, 5):
         _iteration(tmp_path, it, (ks[it - 1], 240), (ks[it], 240), True, {"code": 200}, 0)
-    res = scaling(tmp_path, 4, active_params=1000, draws=100)
+    res = scaling(tmp_path, 4, active_params=1000, draws=60)
     assert [p["flops"] for p in res["points"]] == [6.0 * 1000 * c for c in cum]
-    prev = bootstrap(cum[1:4], ks[1:4], [240] * 3, ks[0], 240, 800, draws=100)  # the fit on iterations 1–3
+    prev = bootstrap(cum[1:4], ks[1:4], [240] * 3, ks[0], 240, 800, draws=60)  # the fit on iterations 1–3
     ch = res["check"]
     assert ch["iteration"] == 4 and ch["forecast"] == pytest.approx(prev["forecast"]["pass@1"])
     assert ch["measured"] == ks[4] / 240 and ch["within"]  # points on the curve fall inside its interval
@@ -95,7 +95,7 @@ def test_the_forecast_made_before_an_iteration_is_checked_against_it(tmp_path):
     assert "| 4 | student | 800 |" in table and "within its 95% prediction interval" in table
     # an iteration far off the curve is outside
     _iteration(tmp_path, 5, (ks[4], 240), (20, 240), True, {"code": 200}, 0)
-    assert scaling(tmp_path, 5, active_params=1000, draws=100)["check"]["within"] is False
+    assert scaling(tmp_path, 5, active_params=1000, draws=60)["check"]["within"] is False
 
 
 def test_too_few_iterations_have_no_fit(tmp_path):
