@@ -23,8 +23,9 @@ from configs import load
 from trainers.stats import compare
 
 
-def final_policy(run_root: Path, rule: str) -> tuple[str, int, int]:
-    """(the checkpoint the run root's last evaluated iteration hands off, cumulative trained tokens, iterations)."""
+def final_policy(run_root: Path, rule: str, student: bool = False) -> tuple[str, int, int]:
+    """(the checkpoint the run root's last evaluated iteration hands off, or with `student` its student whatever the
+    champion gate decided; cumulative trained tokens; iterations)."""
     from stages.scaling import chain_points
     from stages.warm import hand_off
 
@@ -36,7 +37,7 @@ def final_policy(run_root: Path, rule: str) -> tuple[str, int, int]:
     ev = json.loads((d / "evaluation.json").read_text())
     ws = json.loads((d / "warm_start.json").read_text())["checkpoint"]
     ckpt, _ = hand_off(rule, ev["student"], ws, bool((ev.get("registered") or {}).get("champion_moved")))
-    return ckpt, pts[-1]["tokens"], last
+    return (ev["student"] if student else ckpt), pts[-1]["tokens"], last
 
 
 def main() -> None:
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("long", type=Path, help="run root of the one long iteration")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("-o", "--override", action="append", default=[])
+    ap.add_argument("--long-student", action="store_true",
+                    help="the long iteration's student even when its champion gate kept the warm start")
     a = ap.parse_args()
 
     from envs.sandbox import make_sandbox
@@ -57,7 +60,7 @@ def main() -> None:
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     sides = {}
     for name, root in (("chain", a.chain), ("long", a.long)):
-        ckpt, tokens, its = final_policy(root, cfg.hand_off)
+        ckpt, tokens, its = final_policy(root, cfg.hand_off, student=name == "long" and a.long_student)
         ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, concurrency=cfg.loop.batch_in_flight)
         by: dict[str, list[float]] = {}
         for s, t in zip(specs, ev["trajectories"]):
