@@ -46,6 +46,29 @@ def make_cfg(**kw):
     return ModelConfig(**base)
 
 
+@pytest.fixture(scope="session")
+def wait_for_http():
+    """`wait(proc, url, log_path, timeout, what)`: poll `url` until it answers 200; a server that exits or stays silent
+    past `timeout` seconds fails with the tail of its log."""
+    import time
+
+    import httpx
+
+    def wait(proc, url: str, log_path, timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{what} did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    return wait
+
+
 @pytest.fixture
 def cfg_factory():
     return make_cfg

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def webserver(tmp_path_factory):
+def webserver(tmp_path_factory, wait_for_http):
     home = tmp_path_factory.mktemp("dagster_home")
     (home / "dagster.yaml").write_text(
         "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
@@ -45,16 +45,7 @@ def webserver(tmp_path_factory):
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/server_info", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"dagster-webserver did not start:\n{(home / 'webserver.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_for_http(proc, url + "/server_info", home / "webserver.log", 180, "dagster-webserver")
         yield {"url": url, "port": port, "home": home}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import httpx
 import pytest
 
 from store.tracking import Tracker, dataset_digest, pass_at_1_metrics
@@ -170,7 +169,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_mlflow_ui_model_page_shows_metrics_datasets_and_version(logged):
+def test_mlflow_ui_model_page_shows_metrics_datasets_and_version(logged, wait_for_http):
     from playwright.sync_api import sync_playwright
 
     tmp, port = logged["tmp"], _free_port()
@@ -181,16 +180,7 @@ def test_mlflow_ui_model_page_shows_metrics_datasets_and_version(logged):
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start:\n{(tmp / 'mlflow_server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_for_http(proc, url + "/health", tmp / "mlflow_server.log", 120, "mlflow server")
         exp, mid = logged["tr"].experiment_id, logged["reg"]["model_id"]
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
