@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: timing and a ratio table."""
+"""Shared helpers for the benchmarks: timing, a ratio table and a progress bar."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def progress(description: str, total: int | None = None):
+    """A progress bar on stderr for a bench's long work (k/N, elapsed, time left; `pipelines.progress.counting`): the
+    tables stay on stdout, and a piped stderr draws nothing."""
+    from rich.console import Console
+
+    from pipelines.progress import counting
+
+    return counting(Console(stderr=True), description, total)
 
 
 def timeit(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:

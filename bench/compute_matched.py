@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import table
+from common import progress, table
 
 from configs import load
 from trainers.stats import compare
@@ -59,13 +59,16 @@ def main() -> None:
     specs = held_out(cfg.envs, cfg.base)[0]
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     sides = {}
-    for name, root in (("chain", a.chain), ("long", a.long)):
-        ckpt, tokens, its = final_policy(root, cfg.hand_off, student=name == "long" and a.long_student)
-        ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, concurrency=cfg.loop.batch_in_flight)
-        by: dict[str, list[float]] = {}
-        for s, t in zip(specs, ev["trajectories"]):
-            by.setdefault(s.domain, []).append(t.reward)
-        sides[name] = {"ckpt": ckpt, "tokens": tokens, "iterations": its, "by": by}
+    with progress("held-out episodes", 2 * len(specs)) as bar:
+        for name, root in (("chain", a.chain), ("long", a.long)):
+            bar.note(name)
+            ckpt, tokens, its = final_policy(root, cfg.hand_off, student=name == "long" and a.long_student)
+            ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, concurrency=cfg.loop.batch_in_flight,
+                          on_done=bar)
+            by: dict[str, list[float]] = {}
+            for s, t in zip(specs, ev["trajectories"]):
+                by.setdefault(s.domain, []).append(t.reward)
+            sides[name] = {"ckpt": ckpt, "tokens": tokens, "iterations": its, "by": by}
     st = compare(sides["long"]["by"], sides["chain"]["by"])
     rows = []
     for g, v in st.items():

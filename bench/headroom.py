@@ -23,7 +23,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from common import table
+from common import progress, table
 
 from configs import load
 from trainers.stats import wilson
@@ -31,11 +31,11 @@ from trainers.stats import wilson
 BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 
 
-def sampled(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16) -> list[list[float]]:
+def sampled(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16, on_done=None) -> list[list[float]]:
     """Each task's k rewards (the curriculum's probe: `stages.curriculum.sample_rewards`)."""
     from stages.curriculum import sample_rewards
 
-    return sample_rewards(model, specs, k, cfg, tok, sb, n_slots)
+    return sample_rewards(model, specs, k, cfg, tok, sb, n_slots, on_done=on_done)
 
 
 def headroom(greedy: list[float], samples: list[list[float]]) -> dict:
@@ -63,31 +63,42 @@ def main() -> None:
     from envs.sandbox import make_sandbox
     from model import ByteTokenizer, load_checkpoint
     from stages.env_sets import held_out
-    from trainers.sft import evaluate, pattern_key
+    from trainers.sft import evaluate
 
     cfg = load(a.preset, a.override)
     specs = held_out(cfg.envs.model_copy(update={"n_eval": a.n or cfg.envs.n_eval}), cfg.base)[0]  # the pipeline's
     tok, sb = ByteTokenizer(), make_sandbox(cfg.envs.sandbox)
     rows = []
-    for ck in a.checkpoints:
-        model = load_checkpoint(ck)
-        greedy = [t.reward for t in evaluate(model, specs, tok, sb, cfg.agent)["trajectories"]]
-        samples = sampled(model, specs, a.k, cfg, tok, sb)
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, s in enumerate(specs):
-            groups[pattern_key(s)].append(i)
-        for i, s in enumerate(specs):
-            groups[s.domain].append(i)
-        groups["all"] = list(range(len(specs)))
-        for name, idx in groups.items():
-            h = headroom([greedy[i] for i in idx], [samples[i] for i in idx])
-            rows.append([Path(ck).name if len(a.checkpoints) == 1 else ck, name, h["n"],
-                         f"{h['greedy']:.3f} [{h['greedy_ci'][0]:.2f}, {h['greedy_ci'][1]:.2f}]", h["sampled"],
-                         f"{h['pass_at_k']:.3f} [{h['pass_at_k_ci'][0]:.2f}, {h['pass_at_k_ci'][1]:.2f}]",
-                         h["mixed"]])
+    with progress("headroom episodes", len(a.checkpoints) * len(specs) * (1 + a.k)) as bar:
+        for ck in a.checkpoints:
+            bar.note(Path(ck).name)
+            model = load_checkpoint(ck)
+            greedy = [t.reward for t in evaluate(model, specs, tok, sb, cfg.agent, on_done=bar)["trajectories"]]
+            samples = sampled(model, specs, a.k, cfg, tok, sb, on_done=bar)
+            rows += _rows(ck, a, specs, greedy, samples)
     table(f"headroom: greedy pass@1 vs {a.k} samples per task at temperature {cfg.agent.temperature}",
           ["checkpoint", "pattern / domain", "n", "greedy pass@1 [95% CI]", "sampled pass@1",
            f"pass@{a.k} [95% CI]", "mixed"], rows)
+
+
+def _rows(ck: str, a, specs: list, greedy: list[float], samples: list[list[float]]) -> list[list]:
+    """One checkpoint's table rows: every pattern, every domain and all."""
+    from trainers.sft import pattern_key
+
+    rows = []
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(specs):
+        groups[pattern_key(s)].append(i)
+    for i, s in enumerate(specs):
+        groups[s.domain].append(i)
+    groups["all"] = list(range(len(specs)))
+    for name, idx in groups.items():
+        h = headroom([greedy[i] for i in idx], [samples[i] for i in idx])
+        rows.append([Path(ck).name if len(a.checkpoints) == 1 else ck, name, h["n"],
+                     f"{h['greedy']:.3f} [{h['greedy_ci'][0]:.2f}, {h['greedy_ci'][1]:.2f}]", h["sampled"],
+                     f"{h['pass_at_k']:.3f} [{h['pass_at_k_ci'][0]:.2f}, {h['pass_at_k_ci'][1]:.2f}]",
+                     h["mixed"]])
+    return rows
 
 
 if __name__ == "__main__":

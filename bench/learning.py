@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import table
+from common import progress, table
 
 import stages
 from configs import load
@@ -29,12 +29,14 @@ from trainers.stats import binom_two_sided, moves_champion, paired_delta_ci
 SEED_STRIDE = 104_729
 
 
-def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say) -> dict:
+def one_iteration(cfg, out: Path, iteration: int, parent: str | None, say, stage=lambda name: None) -> dict:
+    """`stage(name)` is called as each stage starts (the progress bar's note)."""
     from rollout.backend import embedded_servers
 
     secs: dict[str, float] = {}
 
     def timed(name, fn, *a, **kw):
+        stage(name)
         t = time.perf_counter()
         r = fn(*a, **kw)
         secs[name] = round(time.perf_counter() - t, 1)
@@ -77,8 +79,9 @@ def seed_config(preset: str, overrides: list[str], seed: int):
                          f"envs.eval_seed={base.envs.eval_seed + SEED_STRIDE * seed}"])
 
 
-def run_seed(seed: int, args) -> list[dict]:
-    """Every iteration of one seed (a child process when --jobs > 1: the numbers do not depend on it)."""
+def run_seed(seed: int, args, bar=None) -> list[dict]:
+    """Every iteration of one seed (a child process when --jobs > 1: the numbers do not depend on it). `bar`: a
+    progress counter moved on per iteration, its note the stage running."""
     import torch
 
     if args.jobs > 1:
@@ -88,7 +91,10 @@ def run_seed(seed: int, args) -> list[dict]:
     parent, out, best = None, [], None
     for it in range(1, args.iterations + 1):
         say(f"iteration {it}")
-        r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say)
+        stage = (lambda name, it=it: bar.note(f"seed {seed} iteration {it}: {name}")) if bar else (lambda name: None)
+        r = one_iteration(cfg, Path(args.out) / f"seed-{seed}" / f"iteration-{it}", it, parent, say, stage)
+        if bar:
+            bar.advance()
         ev = r["evaluation"]
         moved = moves_champion(ev["significant"], ev["pass@1_after"], best)
         best = ev["pass@1_after"] if moved else best
@@ -117,7 +123,8 @@ def main() -> None:
             futs = {seed: ex.submit(run_seed, seed, args) for seed in args.seeds}
             results = {seed: f.result() for seed, f in futs.items()}
     else:
-        results = {seed: run_seed(seed, args) for seed in args.seeds}
+        with progress("iterations", len(args.seeds) * args.iterations) as bar:
+            results = {seed: run_seed(seed, args, bar) for seed in args.seeds}
     for seed in args.seeds:
         for it, r in enumerate(results[seed], 1):
             st = r["evaluation"]["stats"]

@@ -23,7 +23,7 @@ import argparse
 import re
 from collections import Counter
 
-from common import table
+from common import progress, table
 
 from configs import load
 from trainers.stats import mcnemar_exact
@@ -55,10 +55,11 @@ def classify(hidden: dict, acts: list) -> str:
     return "submit"
 
 
-def play(model, specs, cfg, tok, sb) -> list:
+def play(model, specs, cfg, tok, sb, on_done=None) -> list:
     from trainers.sft import evaluate
 
-    return evaluate(model, specs, tok, sb, cfg.agent, concurrency=cfg.loop.batch_in_flight)["trajectories"]
+    return evaluate(model, specs, tok, sb, cfg.agent, concurrency=cfg.loop.batch_in_flight,
+                    on_done=on_done)["trajectories"]
 
 
 def main() -> None:
@@ -83,9 +84,12 @@ def main() -> None:
     model = load_checkpoint(a.checkpoint)
     trained_k = model.config.index_topk
     every = [s for r in rungs for s in specs[r]]
-    out = {"as trained": play(model, every, cfg, tok, sb)}
-    model.config.index_topk = 1 << 20  # dense: every query keeps every key (the layers read the same config)
-    out["dense"] = play(model, every, cfg, tok, sb)
+    with progress("calc-chain episodes", 2 * len(every)) as bar:
+        bar.note("as trained")
+        out = {"as trained": play(model, every, cfg, tok, sb, bar)}
+        model.config.index_topk = 1 << 20  # dense: every query keeps every key (the layers read the same config)
+        bar.note("dense")
+        out["dense"] = play(model, every, cfg, tok, sb, bar)
     rows = []
     for r in rungs:
         idx = [i for i, s in enumerate(every) if s.id in {x.id for x in specs[r]}]

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import table
+from common import progress, table
 from learning import seed_config
 
 import stages
@@ -40,7 +40,7 @@ ARMS = {"warm start + OPD": ["opd.init=warm_start"], "merged, no OPD": ["opd.ini
 DOMAINS = ("code", "math", "reasoning")
 
 
-def one_dir(run: Path, args, say) -> dict:
+def one_dir(run: Path, args, say, bar) -> dict:
     m = re.search(r"seed-(\d+)", str(run))
     if not m:
         raise SystemExit(f"{run}: expected a bench/learning.py iteration directory under seed-N")
@@ -66,6 +66,7 @@ def one_dir(run: Path, args, say) -> dict:
     for d, ck in experts.items():
         out["experts"][d] = sum(score(ck, [s for s in held if s.domain == d])) / sum(s.domain == d for s in held)
     for arm, ov in ARMS.items():
+        bar.note(f"{run.name}: {arm}")
         cfg = seed_config(args.preset, [*args.override, *ov], seed)
         where = Path(args.out) / f"seed-{seed}" / re.sub(r"\W+", "_", arm)
         shutil.rmtree(where, ignore_errors=True)  # a fresh student: never resume an earlier run's OPD state
@@ -75,6 +76,7 @@ def one_dir(run: Path, args, say) -> dict:
         out["anchored"][arm] = st.get("anchored", [])  # domains the warm start taught (opd.untaught)
         out["arms"][arm] = score(st["checkpoint"], held)
         say(f"{arm}: pass@1 {sum(out['arms'][arm]) / len(held):.3f} ({out['seconds'][arm]:.0f} s of OPD)")
+        bar.advance()
     return out
 
 
@@ -97,9 +99,10 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-opd-init")
     args = ap.parse_args()
     res = []
-    for run in args.runs:
-        res.append(one_dir(run, args, lambda m, run=run: print(f"[{run}] {m}", flush=True)))
-        r = res[-1]
+    with progress("OPD arms", len(args.runs) * len(ARMS)) as bar:
+        for run in args.runs:
+            res.append(one_dir(run, args, lambda m, run=run: print(f"[{run}] {m}", flush=True), bar))
+    for r in res:
         rows = []
         for d in (*sorted(set(r["domains"])), "all"):
             expert = f"{r['experts'].get(d, float('nan')):.3f}" if d != "all" else ""

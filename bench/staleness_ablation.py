@@ -33,8 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
-import common  # noqa: F401 - puts the repository root on sys.path
 import torch
+from common import progress  # also puts the repository root on sys.path
 
 import configs
 from envs import make_sandbox
@@ -85,7 +85,7 @@ def _instrument(trainer) -> dict:
     return rec
 
 
-def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok, sb) -> dict:
+def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok, sb, bar=None) -> dict:
     random.seed(seed)
     torch.manual_seed(seed)
     # the same warm start for every seed and method (a random init is drawn from the preset's seed)
@@ -115,7 +115,7 @@ def run_one(cfg, args, specs, held, method: str, tau: int | None, seed: int, tok
     loop = RLLoop(actor, specs, tok, sb, agent, sao, lc, version=1)
     rec = _instrument(loop.trainer)
     t = time.perf_counter()
-    hist = loop.run(args.steps)
+    hist = loop.run(args.steps, on_step=(lambda _h: bar.advance()) if bar else None)
     dt = time.perf_counter() - t
     tail = [h["batch_reward"] for h in hist[-max(1, len(hist) // 3):]]
     ev = _eval(cfg, actor, held, tok, sb) if args.eval else {"pass@1": float("nan")}
@@ -186,30 +186,40 @@ def main() -> None:
         grid += [("sao", int(s)) for s in args.taus.split(",")]
     grid += [(m, None) for m in methods if m in ("ppo", "grpo")]
     runs, rows = [], []
-    for method, tau in grid:
-        mine = []
-        for seed in args.seeds:
-            r = run_one(cfg, args, specs, held, method, tau, seed, tok, sb)
-            mine.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
-        runs += mine
-        col = lambda k, mine=mine: [float(r[k]) for r in mine]  # noqa: E731
-        name = {"sao": f"SAO τ={tau}" + ("" if args.admission else ", drop only"), "ppo": "async PPO, no bound",
-                "grpo": "sync GRPO"}[method]
-        rows.append([name, _ms(col("stale_share")),
-                     f"{_ms(col('reward_kept'), '.2f')} / {_ms(col('reward_stale'), '.2f')}",
-                     f"{_ms(col('len_kept'), '.0f')} / {_ms(col('len_stale'), '.0f')}",
-                     _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
-                     _ms(col("lag_mean_received"), ".2f"), _ms(col("updates"), ".1f"), _ms(col("final_reward")),
-                     _ms(col("reward_std")), _ms(col("max_kl")), _ms(col("pass@1")), f"{sum(col('seconds')):.0f}"])
+    with progress("loop steps", len(grid) * len(args.seeds) * args.steps) as bar:
+        for method, tau in grid:
+            runs += _cell(cfg, args, specs, held, method, tau, tok, sb, bar, rows)
+    _report(args, base, runs, rows)
+
+
+def _cell(cfg, args, specs, held, method, tau, tok, sb, bar, rows) -> list[dict]:
+    """One (method, τ) of the grid over every seed; its table row is appended to `rows`."""
+    mine = []
+    for seed in args.seeds:
+        bar.note(f"{method} τ={tau} seed {seed}" if tau is not None else f"{method} seed {seed}")
+        r = run_one(cfg, args, specs, held, method, tau, seed, tok, sb, bar)
+        mine.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
+    col = lambda k: [float(r[k]) for r in mine]  # noqa: E731
+    name = {"sao": f"SAO τ={tau}" + ("" if args.admission else ", drop only"), "ppo": "async PPO, no bound",
+            "grpo": "sync GRPO"}[method]
+    rows.append([name, _ms(col("stale_share")),
+                 f"{_ms(col('reward_kept'), '.2f')} / {_ms(col('reward_stale'), '.2f')}",
+                 f"{_ms(col('len_kept'), '.0f')} / {_ms(col('len_stale'), '.0f')}",
+                 _ms(col("lag_mean"), ".2f"), _ms(col("lag_max"), ".1f"),
+                 _ms(col("lag_mean_received"), ".2f"), _ms(col("updates"), ".1f"), _ms(col("final_reward")),
+                 _ms(col("reward_std")), _ms(col("max_kl")), _ms(col("pass@1")), f"{sum(col('seconds')):.0f}"])
+    return mine
+
+
+def _report(args, base: float, runs: list[dict], rows: list[list[str]]) -> None:
     _table(f"staleness ablation on {args.preset}: {args.steps} steps, seeds {args.seeds}, push every update, "
-          f"τ in policy versions (pass@1 before: {base:.2f}; mean ± std over seeds)",
-          ["config", "stale share", "reward kept / dropped", "tokens kept / dropped", "lag mean (trained)",
-           "lag max (trained)", "lag mean (received)", "updates",
-           "final reward", "reward std", "max |KL|", "pass@1 after", "seconds"], rows)
+           f"τ in policy versions (pass@1 before: {base:.2f}; mean ± std over seeds)",
+           ["config", "stale share", "reward kept / dropped", "tokens kept / dropped", "lag mean (trained)",
+            "lag max (trained)", "lag mean (received)", "updates",
+            "final reward", "reward std", "max |KL|", "pass@1 after", "seconds"], rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(runs, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -354,3 +354,35 @@ def step_log(console, description: str, total: int | None = None) -> Iterator[Ca
                 prog.update(task, completed=got[1], total=got[2])
 
         yield log
+
+
+class Counter:
+    """What a `counting` bar's work calls: `advance(n)` moves it n items on, `note(text)` sets its note, `total(n)` grows
+    the work (a bench whose later parts are sized as it goes); `done` is the count so far."""
+
+    def __init__(self, prog, task):
+        self._prog, self._task, self.done = prog, task, 0
+        self._lock = threading.Lock()  # episodes finish on the rollout loop's thread, stages on the caller's
+
+    def advance(self, n: int = 1) -> None:
+        with self._lock:
+            self.done += n
+            self._prog.update(self._task, completed=self.done)
+
+    def __call__(self, *_args) -> None:  # an `on_done(trajectory)` hook: one item finished
+        self.advance(1)
+
+    def note(self, text: str) -> None:
+        self._prog.update(self._task, note=text)
+
+    def total(self, n: int) -> None:
+        self._prog.update(self._task, total=n)
+
+
+@contextlib.contextmanager
+def counting(console, description: str, total: int | None = None) -> Iterator[Counter]:
+    """A bar over countable work (episodes, runs, stages): k/N, elapsed and time left, moved by the `Counter` it
+    yields. On a console that is not a terminal it draws nothing (rich's live display stays off) and the work's own
+    printed lines are the record."""
+    with bar(console) as prog:
+        yield Counter(prog, prog.add_task(description, total=total, note=""))

@@ -27,9 +27,9 @@ from collections import defaultdict
 from .common import _quiet
 
 
-def sample_rewards(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16) -> list[list[float]]:
+def sample_rewards(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16, on_done=None) -> list[list[float]]:
     """Each task's k rewards, the agent sampling at its configured temperature (the k-th rollout of a task samples
-    its own stream, as GRPO groups do)."""
+    its own stream, as GRPO groups do). `on_done(trajectory)`: called as each episode finishes."""
     from rollout.agent import Agent, run_episodes
     from rollout.backend import InProcessBackend
 
@@ -38,7 +38,8 @@ def sample_rewards(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16) 
     async def go():
         async with backend.session() as policy:
             agent = Agent(policy, tok, sb, cfg.agent)
-            return await run_episodes(agent, [s for s in specs for _ in range(k)], concurrency=n_slots)
+            return await run_episodes(agent, [s for s in specs for _ in range(k)], concurrency=n_slots,
+                                      on_done=on_done)
 
     try:
         trajs = asyncio.run(go())

@@ -96,10 +96,10 @@ def sft_batches(trajs: list[Trajectory], batch_size: int, pad_id: int, seed: int
 
 
 def evaluate(model: Transformer | None, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
-             n_slots: int = 8, concurrency: int = 8, backend=None) -> dict:
+             n_slots: int = 8, concurrency: int = 8, backend=None, on_done=None) -> dict:
     """Greedy pass@1 per family and per domain (plus the trajectories, for inspection). The episodes run on
     `backend` (a RolloutBackend already serving the policy: servers by URL), else on an in-process engine
-    over `model`."""
+    over `model`. `on_done(trajectory)` is called as each episode finishes (a progress bar)."""
     own = backend is None
     if own:
         backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8)
@@ -107,7 +107,7 @@ def evaluate(model: Transformer | None, specs: list[TaskSpec], tok: Tokenizer, s
     async def go():
         async with backend.session() as policy:
             agent = Agent(policy, tok, sandbox, cfg.model_copy(update={"temperature": 0.0}))
-            return await run_episodes(agent, specs, concurrency=concurrency)
+            return await run_episodes(agent, specs, concurrency=concurrency, on_done=on_done)
 
     try:
         trajs = asyncio.run(go())
