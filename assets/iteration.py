@@ -8,9 +8,12 @@ as the materialisation's `result` JSON metadata, with absolute paths; each asset
 from there (`_upstream`). Copies under `<run_root>/iteration-N/*.json` are for people and `temper run`.
 
 Iteration N's warm start is what iteration N−1 hands off (`hand_off`: its OPD student if it became the
-champion, else its own warm start), read from the `policy` asset, which iteration N−1's evaluation records (a
-partition cannot depend on an earlier partition of the same dynamic partitions), and shown as `parent_checkpoint`
-metadata and as the `warm_start` MLflow run's `parent_checkpoint` parameter.
+champion, else its own warm start), read from partition N of the `policy` asset, which iteration N−1's evaluation
+materialises (creating partition N). The graph draws the hand-off as the partition dependency policy[N] →
+env_specs[N], warm_start[N]; evaluation[N−1] → policy[N] is not an edge of the graph (Dagster refuses cycles of
+asset keys, and a dynamic partition cannot depend on an earlier one of itself), so policy[N]'s materialisation
+names it (`source_partition`, and `source_run`: a link to the run that recorded it). It is also `parent_checkpoint` metadata and the
+`warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
@@ -32,6 +35,8 @@ from .resources import RolloutBackend, SandboxResource, StageRunner, TemperResou
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
 POLICY_KEY = dg.AssetKey("policy")
+# iteration N reads policy[N], what iteration N−1 handed off (see the module docstring)
+HANDED_OFF = dg.AssetDep(POLICY_KEY, partition_mapping=dg.IdentityPartitionMapping())
 # a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
 LONG_STEP_RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 OWNERS = ["team:post-training"]
@@ -165,7 +170,7 @@ def _partition(context) -> str:
     return context.run.tags.get("dagster/partition") or context.partition_key
 
 
-@_asset(stage="env_specs", deps=[POLICY_KEY], retry_policy=LONG_STEP_RETRY,
+@_asset(stage="env_specs", deps=[HANDED_OFF], retry_policy=LONG_STEP_RETRY,
         description="Task specs generated from the patterns: the fixed held-out ladder, validation, and the RL set whose "
                     "pattern mix the frontier curriculum chooses from samples of the policy this iteration starts from")
 def env_specs(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
@@ -298,7 +303,7 @@ def _domain_metrics(prefix: str, domains: dict) -> dict:
     return {f"{prefix}_{k}": v for k, v in domains.items()}
 
 
-@_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs, POLICY_KEY], retry_policy=LONG_STEP_RETRY,
+@_asset(stage="warm_start", kinds=("pytorch",), deps=[verified_envs, HANDED_OFF], retry_policy=LONG_STEP_RETRY,
           description="The policy this iteration starts from: the base (iteration 1) or what iteration N−1 "
                       "hands off (`hand_off`: the champion by default)")
 def warm_start(context: dg.AssetExecutionContext, temper: TemperResource, pipes: StageRunner,
@@ -529,15 +534,7 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                        rl: {"train_reverse_kl_final": last(_upstream(context, "opd_student").get("reverse_kl"))}})
     tr.finish(run)
     out.update(registered=reg)
-    # hand off to the next iteration: iteration N+1's warm start reads this record and picks the student or this
-    # iteration's warm start by its `hand_off` rule
-    context.log_event(dg.AssetMaterialization(POLICY_KEY, description=f"iteration {it}'s student", metadata={
-        "iteration": int(it), "checkpoint": dg.MetadataValue.path(str(Path(out["student"]).resolve())),
-        "run_root": dg.MetadataValue.path(str(temper.root())),  # the lineage it belongs to (see `_handed_off`)
-        "warm_start": dg.MetadataValue.path(str(Path(ws).resolve())),
-        "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
-        "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
-        "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
+    _hand_off_record(context, temper, it, out, ws, reg)
     memo.save(out)  # reusable once handed off
     table = ("| group | warm start | 95% CI | student | 95% CI | gained | lost | p (McNemar) |\n"
              "|---|---|---|---|---|---|---|---|\n")
@@ -551,13 +548,39 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
                                           "mlflow_iteration_run": dg.MetadataValue.text(tr.run_link(run))}, memo)
 
 
-# not computed by a step of its own: evaluation records each iteration's student, warm_start reads it
+def _hand_off_record(context, temper: TemperResource, it: str, out: dict, ws: str, reg: dict) -> None:
+    """Materialise policy[N+1] (creating partition N+1): what iteration N hands to iteration N+1, whose warm start
+    picks the student or N's warm start by its `hand_off` rule. `iteration` is N, the iteration that produced it."""
+    import stages
+
+    nxt = str(int(it) + 1)
+    if not context.instance.has_dynamic_partition(ITERATIONS.name, nxt):
+        context.instance.add_dynamic_partitions(ITERATIONS.name, [nxt])
+    student, warm = str(Path(out["student"]).resolve()), str(Path(ws).resolve())
+    rule = temper.config().hand_off
+    chosen, why = stages.hand_off(rule, student, warm, bool(reg["champion_moved"]))
+    context.log_event(dg.AssetMaterialization(POLICY_KEY, partition=nxt, description=(
+        f"what iteration {it} hands to iteration {nxt}: {why}"), metadata={
+        "iteration": int(it), "for_iteration": int(nxt),
+        "checkpoint": dg.MetadataValue.path(student),  # the student (`_handed_off` applies the reader's rule)
+        "warm_start": dg.MetadataValue.path(warm),
+        "handed_off": dg.MetadataValue.path(str(chosen)), "hand_off": why, "hand_off_rule": rule,
+        "run_root": dg.MetadataValue.path(str(temper.root())),  # the lineage it belongs to (see `_handed_off`)
+        "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
+        "source_run": dg.MetadataValue.dagster_run(context.run_id),
+        "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
+        "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
+
+
+# not computed by a step of its own: evaluation[N] materialises policy[N+1], env_specs[N+1] and warm_start[N+1] read it
 POLICY = dg.AssetSpec(POLICY_KEY, group_name="iteration", owners=OWNERS, kinds={"python", "pytorch"},
+                      partitions_def=ITERATIONS,
                       code_version=_code_version(evaluation.op.compute_fn.decorated_fn, "evaluation"),
-                      description="The policy one iteration hands to the next: iteration N's evaluation records its "
-                                  "student here (materialisation metadata: iteration, checkpoint, warm_start, "
-                                  "champion, run_root), and iteration N+1's warm start picks the student or N's warm start by "
-                                  "`hand_off`")
+                      description="The policy an iteration starts from: policy[N] is what iteration N−1's evaluation "
+                                  "hands off (metadata: iteration N−1, its student `checkpoint`, its `warm_start`, "
+                                  "`handed_off` under its `hand_off` rule, champion, run_root, and the evaluation "
+                                  "partition and run it came from); iteration N's warm start reads it. Iteration 1 "
+                                  "starts from `base.checkpoint` (policy[1] is not materialised).")
 
 ALL_ASSETS = [env_specs, verified_envs, warm_start, rollout_batches, rewards, sao_experts, opd_student, evaluation,
               POLICY]  # + `scaling` (assets/scaling.py), appended in `assets/__init__.py`

@@ -57,7 +57,13 @@ def test_lineage_is_the_data_flow():
     graph = defs.resolve_asset_graph()
     declared = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                 for k in graph.get_all_asset_keys()}
-    assert declared.pop("policy") == set()  # recorded by evaluation (a cycle if declared), read by warm_start
+    assert declared.pop("policy") == set()  # materialised by evaluation[N−1] (a cycle if declared), read in N
+    # the hand-off drawn as a partition dependency: policy[N] → env_specs[N] and warm_start[N], iteration by iteration
+    pol = graph.get(dg.AssetKey("policy"))
+    assert pol.partitions_def == graph.get(dg.AssetKey("warm_start")).partitions_def
+    for child in ("env_specs", "warm_start"):
+        m = graph.get_partition_mapping(dg.AssetKey(child), dg.AssetKey("policy"))
+        assert isinstance(m, dg.IdentityPartitionMapping), (child, m)
     assert set(reads) == set(declared)
     assert declared == reads
     assert declared["sao_experts"] == {"rewards", "warm_start", "verified_envs"}
@@ -107,6 +113,12 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     assert Path(parent).resolve() == Path(student1 if moved1 else ws_meta["checkpoint"].value).resolve()
     assert ws2.materialization.metadata["hand_off"].value.startswith("its student" if moved1 else "its warm start")
     assert recs[1].run_id == r1.run_id  # recorded by iteration 1's run (its evaluation)
+    # as partition N+1 of `policy` (the partition iteration 2's warm start depends on), naming where it came from
+    assert [r.asset_materialization.partition for r in recs] == ["3", "2"]
+    assert rec1["for_iteration"].value == 2 and rec1["source_partition"].value == "evaluation[1]"
+    assert rec1["source_run"].value == r1.run_id
+    assert Path(rec1["handed_off"].value) == Path(parent).resolve()
+    assert instance.has_dynamic_partition("iteration", "3")  # evaluation[2] made the partition it hands off to
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{(tmp_path / 'runs').resolve() / 'mlflow.db'}")

@@ -76,11 +76,56 @@ def test_browser_finds_every_asset(webserver, tmp_path):
             browser.close()
     assert set(ASSETS) <= names, f"asset graph shows {sorted(names)}"
     assert (tmp_path / "asset_graph.png").stat().st_size > 10_000
-    # the edge the graph draws from one iteration to the next: policy (evaluation records each student) → warm_start
-    q = "{ assetNodes { assetKey { path } dependencyKeys { path } } }"
+    # the edge the graph draws from one iteration to the next: policy[N] (what evaluation[N−1] hands off) → warm_start[N]
+    q = ("{ assetNodes { assetKey { path } partitionDefinition { name } "
+         "dependencies { asset { assetKey { path } } partitionMapping { className } } } }")
     nodes = httpx.post(webserver["url"] + "/graphql", json={"query": q}, timeout=60).json()["data"]["assetNodes"]
-    deps = {"/".join(n["assetKey"]["path"]): {"/".join(k["path"]) for k in n["dependencyKeys"]} for n in nodes}
-    assert "policy" in deps["warm_start"] and deps["policy"] == set()
+    deps = {"/".join(n["assetKey"]["path"]): {"/".join(d["asset"]["assetKey"]["path"]): d["partitionMapping"]
+                                              for d in n["dependencies"]} for n in nodes}
+    parts = {"/".join(n["assetKey"]["path"]): (n["partitionDefinition"] or {}).get("name") for n in nodes}
+    assert deps["policy"] == {} and parts["policy"] == parts["warm_start"] == "iteration"
+    # both on the iteration partitions, and the served graph keeps no other mapping (none: the identity, which
+    # test_definitions checks on the definitions): warm_start[N] depends on policy[N]
+    assert deps["warm_start"]["policy"] in (None, {"className": "IdentityPartitionMapping"})
+    assert deps["env_specs"]["policy"] in (None, {"className": "IdentityPartitionMapping"})
+
+
+def test_browser_walks_from_a_warm_start_to_the_evaluation_that_handed_it_off(webserver, tmp_path):
+    """policy[2] as evaluation[1] records it (reported into the webserver's instance): its partition page names the
+    evaluation partition and the run it came from, and warm_start[2]'s upstream in the graph is policy."""
+    import dagster as dg
+    from playwright.sync_api import sync_playwright
+
+    os.environ["DAGSTER_HOME"] = str(webserver["home"])
+    try:
+        with dg.DagsterInstance.get() as instance:
+            instance.add_dynamic_partitions("iteration", ["1", "2"])
+            instance.report_runless_asset_event(dg.AssetMaterialization("policy", partition="2", metadata={
+                "iteration": 1, "for_iteration": 2, "checkpoint": dg.MetadataValue.path(str(tmp_path / "student")),
+                "source_partition": dg.MetadataValue.text("evaluation[1]"), "hand_off": "its student, the new champion"}))
+    finally:
+        del os.environ["DAGSTER_HOME"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(webserver["url"] + "/assets/policy?view=partitions&partition=2", timeout=120_000)
+            deadline, text = time.time() + 120, ""
+            while time.time() < deadline and "evaluation[1]" not in text:
+                text = page.inner_text("body")
+                time.sleep(0.5)
+            page.screenshot(path=str(tmp_path / "policy_partition.png"), full_page=True)
+            page.goto(webserver["url"] + "/assets/warm_start?view=lineage&lineageScope=upstream", timeout=120_000)
+            nodes = page.locator('[class*="AssetNode_assetName"]')
+            deadline, names = time.time() + 120, set()
+            while time.time() < deadline and "policy" not in names:
+                names = {t.strip() for t in nodes.all_inner_texts()}
+                time.sleep(0.5)
+            page.screenshot(path=str(tmp_path / "warm_start_lineage.png"), full_page=True)
+        finally:
+            browser.close()
+    assert "evaluation[1]" in text and "its student, the new champion" in text, text[:2000]
+    assert {"policy", "verified_envs", "warm_start"} <= names, sorted(names)  # its parents
 
 
 @pytest.mark.slow
