@@ -12,8 +12,8 @@ champion, else its own warm start), read from partition N of the `policy` asset,
 materialises (creating partition N). The graph draws the hand-off as the partition dependency policy[N] →
 env_specs[N], warm_start[N]; evaluation[N−1] → policy[N] is not an edge of the graph (Dagster refuses cycles of
 asset keys, and a dynamic partition cannot depend on an earlier one of itself), so policy[N]'s materialisation
-names it (`source_partition`, and `source_run`: a link to the run that recorded it). It is also `parent_checkpoint` metadata and the
-`warm_start` MLflow run's `parent_checkpoint` parameter.
+names it (`source_partition`, and `source_run`: a link to the run that recorded it). It is also `parent_checkpoint`
+metadata and the `warm_start` MLflow run's `parent_checkpoint` parameter.
 """
 
 
@@ -29,12 +29,12 @@ import dagster as dg
 
 from stages.inputs import checkpoint_identity
 
+from .keys import POLICY_KEY, record_root
 from .launch import refuse_in_run
 from .memo import AssetMemo
 from .resources import RolloutBackend, SandboxResource, StageRunner, TemperResource, TrainerBackend
 
 ITERATIONS = dg.DynamicPartitionsDefinition(name="iteration")
-POLICY_KEY = dg.AssetKey("policy")
 # iteration N reads policy[N], what iteration N−1 handed off (see the module docstring)
 HANDED_OFF = dg.AssetDep(POLICY_KEY, partition_mapping=dg.IdentityPartitionMapping())
 # a retried long step resumes from its last checkpoint; exponential backoff with jitter spaces the attempts
@@ -253,16 +253,6 @@ def hack_probes(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
                                metadata={"accepted_probe_hits": out["accepted_probe_hits"]})
 
 
-def _record_root(meta) -> Path | None:
-    """The run root a `policy` record belongs to: its `run_root` metadata, or (records written before it was kept)
-    the directory above the student's `iteration-NNNN` directory."""
-    if "run_root" in meta:
-        return Path(meta["run_root"].value)
-    parts = Path(meta["checkpoint"].value).parts
-    hits = [i for i, x in enumerate(parts) if x.startswith("iteration-")]
-    return Path(*parts[: hits[-1]]) if hits else None
-
-
 def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str, run_root: Path
                 ) -> tuple[str | None, str]:
     """What iteration N−1 of this run root hands to this iteration, read from the `policy` asset (evaluation records
@@ -281,7 +271,7 @@ def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str, ru
         meta = rec.asset_materialization.metadata
         if meta.get("iteration") is None or str(meta["iteration"].value) != prev:
             continue
-        root = _record_root(meta)
+        root = record_root(meta)
         if root is not None and root.resolve() != run_root.resolve():
             elsewhere.add(str(root))
             continue

@@ -20,27 +20,17 @@ A refused launch raises `LaunchRefused` (a ValueError) naming every problem at o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 
+from .keys import POLICY_KEY, LaunchRefused, iteration_number, record_root
+from .resources import RolloutBackend, StageRunner, TemperResource
+
 # the stages `pipes.stages` may name (what `_stage` runs: `python -m stages.step <stage>`)
 STAGES = ("verified_envs", "warm_start", "rollout_batches", "sao_expert", "opd_student", "evaluation")
-
-
-class LaunchRefused(ValueError):
-    """A launch that cannot succeed: its config, its iteration or its partition key is wrong."""
-
-
-def iteration_number(key) -> int:
-    """The iteration a partition key names; a key that is not 1, 2, … (no sign, no leading zero, no text) is refused."""
-    if not isinstance(key, str | int) or not re.fullmatch(r"[1-9][0-9]*", str(key)):
-        raise LaunchRefused(f"partition key {str(key)!r} is not an iteration number (1, 2, …): iterations are "
-                            "numbered, each starting from what the one before it hands off")
-    return int(key)
 
 
 def _section(run_config: Mapping | None, resource: str) -> dict:
@@ -50,8 +40,6 @@ def _section(run_config: Mapping | None, resource: str) -> dict:
 
 def resource_problems(run_config: Mapping | None) -> list[str]:
     """Every problem of the run config's `temper`, `rollout` and `pipes` resources (unset ones take their defaults)."""
-    from .resources import RolloutBackend, StageRunner, TemperResource
-
     problems = []
     try:
         temper = TemperResource(**_section(run_config, "temper"))  # the preset, overrides and settings resolve
@@ -126,14 +114,12 @@ class Evaluated:
 def evaluated(instance, run_root: Path | str | None = None, limit: int = 1000) -> list[Evaluated]:
     """The evaluated iterations (`policy` records: what warm_start reads), newest first; with `run_root`, of that run
     root only."""
-    from .iteration import POLICY_KEY, _record_root
-
     want = Path(run_root).expanduser().resolve() if run_root is not None else None
     out = []
     for rec in instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=POLICY_KEY), limit=limit).records:
         meta = rec.asset_materialization.metadata
         try:
-            n, root = int(meta["iteration"].value), _record_root(meta)
+            n, root = int(meta["iteration"].value), record_root(meta)
         except (KeyError, TypeError, ValueError):
             continue
         if root is not None and (want is None or root.resolve() == want):

@@ -19,6 +19,8 @@ from typing import Literal
 import dagster as dg
 from pydantic import BaseModel, Field, create_model, model_validator
 
+from .keys import LaunchRefused, iteration_number
+
 # the shipped presets, as an enum: the Launchpad (and `validate_run_config`) refuses any other name
 Preset = enum.Enum("Preset", {p.stem: p.stem for p in sorted((Path(__file__).parents[1] / "configs" / "presets")
                                                               .glob("*.yaml"))}, type=str)
@@ -126,8 +128,6 @@ class TemperResource(dg.ConfigurableResource):
         return p
 
     def dir(self, iteration: str) -> Path:
-        from .launch import LaunchRefused, iteration_number
-
         try:
             n = iteration_number(iteration)
         except LaunchRefused as e:  # a partition added by hand in the UI: fails once, not three times
