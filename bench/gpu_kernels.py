@@ -68,30 +68,33 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
     both("indexer top-k fp8", lambda: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=True),
          lambda: kernels.indexer_topk(q, w, k, qpos, topk, fp8=True), flops=fl, check=lambda: agree(True))
 
-    # the fp32 indexer's two kernels apart (fp32 scores; the radix-select top-k), over a few tilings:
-    # (query rows, keys, warps) of the scores kernel and the top-k kernel's warps
+    # the indexer's two kernels apart (the scores; the radix-select top-k), over a few tilings: (query rows, keys,
+    # warps) of the scores kernel and the top-k kernel's warps (None: the defaults). The scores dot's M is query rows ×
+    # 32 heads: fp32 runs FMA dots (M 64 by default), FP8 (what GLM-5 runs) e4m3 wgmma (M 128 by default)
     sweep = []
-    want_sel = kix.indexer_topk_reference(q, w, k, qpos, topk)
-    for blocks in ([(16, 64, 4, 4), (32, 16, 8, 2)] if smoke else
-                   [(16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 8, 4), (32, 128, 8, 4), (16, 64, 4, 8), (16, 64, 4, 16)]):
+    want_sel = {fp8: kix.indexer_topk_reference(q, w, k, qpos, topk, fp8=fp8) for fp8 in (False, True)}
+    for fp8, blocks in ([(False, None), (False, (16, 16, 4, 2)), (True, None)] if smoke else
+                        [(False, None), (False, (4, 64, 8, 8)), (True, None), (True, (4, 64, 8, 8)),
+                         (True, (2, 128, 4, 8)), (True, (8, 64, 8, 8)), (True, (4, 128, 8, 16))]):
         kix.BLOCKS = blocks
+        name = f"{'fp8' if fp8 else 'fp32'} {blocks or 'default'}"
         try:
             with kernel_mode("triton"):
-                same = torch.equal(kernels.indexer_topk(q, w, k, qpos, topk), want_sel)
-                t_all = bench(lambda: kernels.indexer_topk(q, w, k, qpos, topk), dev)
-                t_sc = bench(lambda: kix._indexer_topk_triton(q, w, k, qpos, topk, False, scores_only=True), dev)
+                same = torch.equal(kernels.indexer_topk(q, w, k, qpos, topk, fp8=fp8), want_sel[fp8])
+                t_all = bench(lambda fp8=fp8: kernels.indexer_topk(q, w, k, qpos, topk, fp8=fp8), dev)
+                t_sc = bench(lambda fp8=fp8: kix._indexer_topk_triton(q, w, k, qpos, topk, fp8, scores_only=True), dev)
             res = {"all_ms": 1e3 * t_all, "scores_ms": 1e3 * t_sc, "topk_ms": 1e3 * (t_all - t_sc),
                    "scores_tflops": fl / t_sc / 1e12, "identical_set": same}
-            sweep.append([str(blocks), f"{1e3 * t_all:.3f}", f"{1e3 * t_sc:.3f}", f"{1e3 * (t_all - t_sc):.3f}",
+            sweep.append([name, f"{1e3 * t_all:.3f}", f"{1e3 * t_sc:.3f}", f"{1e3 * (t_all - t_sc):.3f}",
                           f"{fl / t_sc / 1e12:,.1f}", same])
         except Exception as e:  # out of resources: a row that says so
             res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            sweep.append([str(blocks), "—", "—", "—", "—", res["error"][:80]])
+            sweep.append([name, "—", "—", "—", "—", res["error"][:80]])
         finally:
             kix.BLOCKS = None
-        record("kernels", f"indexer_tiles {blocks}", res)
-    table("fp32 indexer top-k tilings (scores: rows, keys, warps; top-k warps)", [
-        "tiles", "all ms", "scores ms", "top-k ms", "scores TFLOP/s", "identical set"], sweep)
+        record("kernels", f"indexer_tiles {name}", res)
+    table("indexer top-k tilings (scores: rows, keys, warps; top-k warps)", [
+        "tiles", "all ms", "scores ms", "top-k ms", "scores TFLOP/s (t·s keys)", "set = its twin's"], sweep)
 
     # sparse MLA (FlashMLA's shapes: 64 heads, d 576/512, top-2048)
     t, h, dv, dr, kk, s = (8, 4, 32, 16, 16, 64) if smoke else (4096, 64, 512, 64, 2048, 8192)
@@ -132,11 +135,12 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
 
     both("sparse MLA fwd+bwd", lambda: fb(True), lambda: fb(False), flops=fl_f * 3.5, check=grad_check)
 
-    # the sparse MLA tiles: (heads, keys, warps) per program. Fewer heads per program load each selected row more
-    # times (64 heads / BH programs per query); more heads need more registers for the [BH, 512] accumulator
+    # the sparse MLA tiles: (heads, keys, warps) per program, for every launch (the dkv kernel's keys too). Every head
+    # of a token in one program (64: the default, 8 warps) gathers each selected row once; 16 heads a program (the
+    # former default) gathers it four times and issues four times the dkv atomics
     sweep = []
     for blocks in ([(16, 16, 4), (32, 16, 8)] if smoke else
-                   [(16, 32, 4), (16, 32, 8), (32, 32, 8), (64, 32, 8), (16, 64, 4), (32, 64, 8), (64, 16, 8)]):
+                   [(64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 16, 8), (16, 32, 4)]):
         kmla.BLOCKS = blocks
         try:
             with torch.no_grad(), kernel_mode("triton"):
@@ -144,17 +148,20 @@ def section_kernels(dev, dtype, smoke: bool) -> None:
                 t_f = bench(lambda: kernels.sparse_mla(qm, kv, idx, qp, scale, dv), dev)
             with kernel_mode("triton"):
                 t_fb = bench(lambda: fb(False), dev)
+            atomics = kmla.dkv_atomics(idx, qp, h, dv, dr, bh=blocks[0])  # the backward's fp32 adds into dkv
             res = {"fwd_ms": 1e3 * t_f, "fwd_tflops": fl_f / t_f / 1e12, "fwdbwd_ms": 1e3 * t_fb,
-                   "max_abs_err": err}
-            sweep.append([str(blocks), f"{1e3 * t_f:.3f}", f"{fl_f / t_f / 1e12:,.1f}", f"{1e3 * t_fb:.3f}", err])
+                   "max_abs_err": err, "dkv_atomics": atomics}
+            sweep.append([str(blocks), f"{1e3 * t_f:.3f}", f"{fl_f / t_f / 1e12:,.1f}", f"{1e3 * t_fb:.3f}", err,
+                          f"{atomics:,}"])
         except Exception as e:  # out of registers or shared memory: a row that says so
             res = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            sweep.append([str(blocks), "—", "—", "—", res["error"][:80]])
+            sweep.append([str(blocks), "—", "—", "—", res["error"][:80], "—"])
         finally:
             kmla.BLOCKS = None
         record("kernels", f"sparse_mla_tiles {blocks}", res)
     table("sparse MLA tiles (heads, keys, warps per program)", ["tiles", "forward ms", "forward TFLOP/s",
-                                                                "fwd+bwd ms", "max |Δ| vs reference"], sweep)
+                                                                "fwd+bwd ms", "max |Δ| vs reference",
+                                                                "dkv atomics"], sweep)
 
     # MoE grouped GEMM (the 524M config's expert shapes, 16K tokens)
     n, hd, inter, e, topk_e = (64, 32, 16, 4, 2) if smoke else (16384, 1024, 704, 32, 4)

@@ -186,6 +186,8 @@ def wrapping_offsets(ttir: str, values: dict[str, tuple[int, int]], grid: tuple[
             m = re.match(r"%[\w.$-]+ = (arith\.\w+)", line)
             if m:
                 pending[-1] = (pending[-1][0], m.group(1), pending[-1][2])
+        if line.startswith("scf.for "):  # a loop without results (no iter_args): its counter's span all the same
+            line = "%__no_result = " + line
         m = re.match(r"^(%[\w.$-]+)(?::(\d+))? = (\"?[\w.]+\"?)\s*(.*)$", line)
         if not m:
             if line.startswith("^bb"):  # block arguments (loop bodies, combiners): their type's span

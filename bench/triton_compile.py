@@ -1,18 +1,20 @@
 """Every Triton kernel the CUDA paths launch, compiled for an H200 (sm_90) on a machine without a GPU: Triton's own
 compiler and ptxas, ahead of time, once per specialisation the code actually launches (argument dtypes, constexpr
 values, warps). The paths run on the `meta` device (`temper_kernels.meta.on_meta`): a training forward+backward (the
-trainers' losses, the indexer KL), the engine's captured decode step over dense and sparse key buckets, and the FP8
-indexer, for bench/gpu.py's 524M and 2B configs in bf16, for `tiny` in fp32 (the GPU bench's parity run), and for
-GLM-5's own shapes (`glm5`: the preset's widths, two layers, in bf16, the Triton grouped GEMM in place of torch's)
-at one 132K-token sequence and at 16 × 4096 tokens, with a 64-slot × 128K-position decode cache.
+trainers' losses, the indexer KL), the engine's captured decode step over dense and sparse key buckets, and the
+indexer in FP8 and in the model's dtype, for bench/gpu.py's 524M and 2B configs in bf16, for `tiny` in fp32 (the GPU
+bench's parity run), and for GLM-5's own shapes (`glm5`: the preset's widths, two layers, in bf16, the Triton
+grouped GEMM in place of torch's) at one 132K-token sequence and at 16 × 4096 tokens, with a 64-slot ×
+128K-position decode cache. Each launch is specialised as `triton.jit` would specialise it (integer arguments and
+pointers divisible by 16 marked so, an integer 1 folded in), so the figures are those of the kernels a GPU runs.
 
     python bench/triton_compile.py [--arch 90] [--sizes 524M 2B glm5]
 
 At GLM-5's shapes each launch's integer arguments and grid also go through `ir_offsets.wrapping_offsets`: every i32
 add / multiply feeding an address whose exact value can pass 2³¹ there is listed (kernel, source line, span), and
 any makes the run fail: a tensor of more than 2³¹ elements is addressed with 64-bit offsets, or the kernel reads
-and writes some other row. The table gives each specialisation's registers and local-memory (spill) bytes per
-thread, from cuobjdump.
+and writes some other row. The table gives each specialisation's registers, stack bytes (spilled registers) and
+local-memory bytes per thread, from cuobjdump.
 
 A kernel that the interpreter runs (TRITON_INTERPRET=1, the CPU tests) can still fail to compile for a GPU: a
 construct the interpreter accepts and the compiler does not, or a tile that needs more shared memory than the SM has.
@@ -62,13 +64,15 @@ def paths(cfg, dtype, b: int, t: int, slots: int = 9, max_len: int | None = None
         for n_keys in (cfg.index_topk // 2, 4 * cfg.index_topk):
             graphs.step(torch.zeros(8, 1, dtype=torch.long, device="meta"), torch.arange(8, device="meta"),
                         torch.ones(8, dtype=torch.long, device="meta"), n_keys)
-        # the FP8 indexer (GLM-5's and DeepSeek-V3.2's), at this config's indexer shapes
+        # the indexer at this config's shapes, FP8 (GLM-5's and DeepSeek-V3.2's) and in the model's dtype (whichever
+        # the config does not run)
         h, d = cfg.index_n_heads, cfg.index_head_dim
         q = torch.zeros(1, 64, h, d, device="meta", dtype=dtype)
         k = torch.zeros(1, 4 * cfg.index_topk, d, device="meta", dtype=dtype)
         w = torch.zeros(1, 64, h, device="meta")
-        kix.indexer_topk(q, w, k, torch.zeros(1, 64, dtype=torch.long, device="meta") + 4 * cfg.index_topk,
-                         cfg.index_topk, fp8=True)
+        for fp8 in (True, False):
+            kix.indexer_topk(q, w, k, torch.zeros(1, 64, dtype=torch.long, device="meta") + 4 * cfg.index_topk,
+                             cfg.index_topk, fp8=fp8)
 
 
 def main() -> None:
@@ -106,20 +110,23 @@ def main() -> None:
                 moe._torch_grouped_ok = lambda xs, w: False
             paths(cfg, dtype, b, t, **kw)
         print(f"{name}: {len(compiled)} specialisations so far, {time.perf_counter() - t0:.0f} s", flush=True)
-    rows, failed = [], 0
-    for (kernel, sig, const, opts), got in sorted(compiled.items(), key=lambda kv: kv[0][0]):
+    rows, failed, seen = [], 0, {}
+    for (kernel, sig, const, opts, *_), got in sorted(compiled.items(), key=lambda kv: kv[0][0]):
         ptrs = ",".join(sorted({v for _, v in sig if v.startswith("*")}))
         consts = " ".join(f"{k}={v}" for k, v in const)
         err = got["error"]
         if err is None and got["shared"] > args.max_shared:
             err = f"needs {got['shared']:,} B of shared memory a block; sm_{args.arch} has {args.max_shared:,}"
         shared = "-" if got["shared"] is None else f"{got['shared'] / 1024:.1f}"
-        rows.append([kernel, ptrs, consts[:70], dict(opts).get("num_warps", "-"), shared,
-                     "-" if got.get("regs") is None else got["regs"], "-" if got.get("local") is None else got["local"],
-                     "ok" if err is None else err[:150]])
+        row = (kernel, ptrs, consts[:70], dict(opts).get("num_warps", "-"), dict(opts).get("num_stages", "-"), shared,
+               *("-" if got.get(r) is None else got[r] for r in ("regs", "stack", "local")),
+               "ok" if err is None else err[:150])
+        seen[row] = seen.get(row, 0) + 1  # specialisations that differ only in which arguments are ÷16: one row
         failed += err is not None
+    rows = [[*row[:-1], n, row[-1]] for row, n in seen.items()]
     table(f"Triton kernels compiled for sm_{args.arch} ({len(compiled)} specialisations, {failed} failed)",
-          ["kernel", "pointer types", "constexprs", "warps", "shared KiB", "regs", "local B", "result"], rows)
+          ["kernel", "pointer types", "constexprs", "warps", "stages", "shared KiB", "regs", "stack B", "local B", "×",
+           "result"], rows)
     wrapped = offsets_report(compiled, launches) if launches else 0
     sys.exit(1 if failed or wrapped else 0)
 

@@ -9,8 +9,12 @@ going to the earlier position, returned ascending by position: exactly `stable_t
 
 Triton path, no host sync:
 
-1. `_scores_kernel` computes a tile of scores with `tl.dot` per indexer head, applies the causal mask (−inf) and
-   writes the fp32 scores (4 bytes a key). ReLU propagates NaN, as torch's does.
+1. `_scores_kernel` computes the scores as DeepGEMM's MQA logits do: a tile of BT query rows × HI heads (padded to a
+   power of two) is the M = BT·HI side of one dot against a key tile (M = 128 at GLM-5's 32 heads on tensor cores:
+   e4m3 with FP8, else bf16 / fp16 as given; fp32 as FMA dots), then ReLU, the head weights and the sum over heads
+   in registers, and fp32 scores out (4 bytes a key). Only causal tiles: a program walks its column blocks up to the
+   last one some row of its tile may see (s ≤ qpos); the tiles past that are neither computed nor written, and
+   within a computed tile the keys past a row's qpos are −inf. ReLU propagates NaN, as torch's does.
 2. The top-k (`topk_rows`) is a radix select over 4-byte order-preserving keys: each fp32 score maps to an int32
    whose signed order is the scores' order (NaN as −inf, −0.0 as +0.0: `stable_topk`'s ranking). One program
    holds a block of a row's keys in registers and finds the TOPK-th largest key bit by bit (32 counting passes, a
@@ -110,7 +114,7 @@ def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False, relu: bo
 def indexer_topk(q, w, k, qpos, topk: int, fp8: bool = False, relu: bool = True) -> torch.Tensor:
     """Selected key positions [B, T, min(topk, S)] (int64, ascending) for queries q [B,T,HI,d] with head
     weights w [B,T,HI], keys k [B,S,d], query positions qpos [B,T]; `relu` as in `scores_reference`."""
-    if backend(q, w, k, qpos) == "reference":
+    if backend(q, w, k, qpos) == "reference" or not supported(q.shape[-1]):
         return indexer_topk_reference(q, w, k, qpos, topk, fp8, relu)
     return _indexer_topk_triton(q, w, k, qpos, topk, fp8, relu)
 
@@ -128,35 +132,59 @@ if triton is not None:
     def _scores_kernel(
         q_ptr, w_ptr, k_ptr, ks_ptr, qpos_ptr, sc_ptr,
         T, S, t0,
-        sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sks_b, sp_b, so_b, so_t,
-        HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, HAS_KS: tl.constexpr, UPCAST: tl.constexpr,
-        PREC: tl.constexpr, RELU: tl.constexpr,
+        sq_b, sq_t, sq_h, sw_b, sw_t, sk_b, sk_s, sks_b, sp_b, so_b, so_t, NC,
+        HI: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+        BS: tl.constexpr, HAS_KS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        RELU: tl.constexpr,
     ):
+        """Program (b, row block, column group): the scores of BT query rows against NC·BS keys, BS at a time. The BT
+        rows' HI heads (padded to HP) are the M = BT·HP rows of one dot [BT·HP, D] × [D, BS] (the query tile loaded
+        once); ReLU and the head weights apply to the [BT·HP, BS] logits in registers and the heads are summed to
+        [BT, BS]. Only causal tiles: the loop stops at the last column block some row may see (s ≤ qpos), so a block
+        wholly past every row's qpos computes and writes nothing (no reader of the scores looks past a row's qpos);
+        inside a computed tile the keys past a row's qpos are −inf."""
         b = tl.program_id(0)
-        rows = tl.program_id(1) * BT + tl.arange(0, BT)  # query rows within this chunk
-        cols = tl.program_id(2) * BS + tl.arange(0, BS)
-        rmask, cmask = rows < T, cols < S
-        dd = tl.arange(0, D)
-        kt = tl.load(k_ptr + b * sk_b + cols[:, None] * sk_s + dd[None, :], mask=cmask[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        acc = tl.zeros((BT, BS), dtype=tl.float32)
-        for h in range(HI):
-            qh = tl.load(q_ptr + b * sq_b + (t0 + rows)[:, None] * sq_t + h * sq_h + dd[None, :],
-                         mask=rmask[:, None], other=0.0)
+        rb = tl.program_id(1) * BT
+        g0 = tl.program_id(2) * (NC * BS)
+        rows = rb + tl.arange(0, BT)  # query rows within this chunk
+        rmask = rows < T
+        qp = tl.load(qpos_ptr + b * sp_b + t0 + rows, mask=rmask, other=-1)
+        nb = tl.minimum(tl.cdiv(tl.max(qp, 0) + 1 - g0, BS), NC).to(tl.int32)  # column blocks in view (≤ 0: none)
+        m = tl.arange(0, BT * HP)  # row m of the dot: query row rb + m // HP, head m % HP
+        mt, mh = rb + m // HP, m % HP
+        mmask = (mt < T) & (mh < HI)
+        qrow = q_ptr + b * sq_b + (t0 + mt)[:, None] * sq_t + mh[:, None] * sq_h
+        wm = tl.load(w_ptr + b * sw_b + (t0 + mt) * sw_t + mh, mask=mmask, other=0.0)
+        if BD == D:  # the whole query tile, once (tensor-core dots)
+            qm = tl.load(qrow + tl.arange(0, D)[None, :], mask=mmask[:, None], other=0.0)
             if UPCAST:
-                qh = qh.to(tl.float32)
-            logits = tl.dot(qh, tl.trans(kt), out_dtype=tl.float32, input_precision=PREC)
-            wh = tl.load(w_ptr + b * sw_b + (t0 + rows) * sw_t + h, mask=rmask, other=0.0)
+                qm = qm.to(tl.float32)
+        for j in range(0, nb):
+            cols = g0 + j * BS + tl.arange(0, BS)
+            cmask = cols < S
+            krow = k_ptr + b * sk_b + cols[:, None] * sk_s
+            if BD == D:
+                kt = tl.load(krow + tl.arange(0, D)[None, :], mask=cmask[:, None], other=0.0)
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                logits = tl.dot(qm, tl.trans(kt), out_dtype=tl.float32, input_precision=PREC)  # [BT·HP, BS]
+            else:  # fp32 FMA dots: D in slices of BD (the operands live in registers)
+                logits = tl.zeros((BT * HP, BS), tl.float32)
+                for d0 in tl.static_range(0, D, BD):
+                    dd = d0 + tl.arange(0, BD)
+                    qs = tl.load(qrow + dd[None, :], mask=mmask[:, None], other=0.0)
+                    ks = tl.load(krow + dd[None, :], mask=cmask[:, None], other=0.0)
+                    if UPCAST:
+                        qs, ks = qs.to(tl.float32), ks.to(tl.float32)
+                    logits = tl.dot(qs, tl.trans(ks), logits, input_precision=PREC)
             if RELU:
                 logits = tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # torch's relu keeps NaN
-            acc += wh[:, None] * logits
-        if HAS_KS:
-            acc = acc * tl.load(ks_ptr + b * sks_b + cols, mask=cmask, other=0.0)[None, :]
-        qp = tl.load(qpos_ptr + b * sp_b + t0 + rows, mask=rmask, other=0)
-        acc = tl.where(cols[None, :] <= qp[:, None], acc, float("-inf"))
-        tl.store(sc_ptr + b * so_b + rows[:, None] * so_t + cols[None, :], acc,
-                 mask=rmask[:, None] & cmask[None, :])
+            acc = tl.sum(tl.reshape(logits * wm[:, None], (BT, HP, BS)), 1)  # the heads summed: [BT, BS]
+            if HAS_KS:
+                acc = acc * tl.load(ks_ptr + b * sks_b + cols, mask=cmask, other=0.0)[None, :]
+            acc = tl.where(cols[None, :] <= qp[:, None], acc, float("-inf"))
+            tl.store(sc_ptr + b * so_b + rows[:, None] * so_t + cols[None, :], acc,
+                     mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _ordered(x):
@@ -249,7 +277,9 @@ if triton is not None:
 
 
 BLOCKS: tuple[int, int, int, int] | None = None  # (query rows, keys, warps) of the scores kernel and the top-k
-# kernels' warps; None: (16, 64, 4) and `_topk_warps`. Set by bench/gpu.py's tile sweep (a knob for measuring).
+# kernels' warps; None: `_score_tiles`' choice and `_topk_warps`. Set by bench/gpu.py's tile sweep (a knob for
+# measuring).
+SCORE_GROUP = 4  # column blocks a scores program walks (the query tile loaded once for them): a knob (tests shrink it)
 TOPK_BLOCK = 8192  # keys a top-k program holds (rounded to ≥ 2·topk for the merges): a knob (tests split short rows)
 SMS = 132  # H100/H200 SMs: a top-k with fewer programs than 2·SMS splits its rows into smaller blocks
 
@@ -293,33 +323,64 @@ def topk_rows(scores: torch.Tensor, qpos: torch.Tensor, topk: int) -> torch.Tens
     return out
 
 
+def _score_tiles(hp: int, d: int, n: int, tensor_cores: bool) -> tuple[int, int, int, int]:
+    """(query rows BT, keys BS, warps, D slice BD) of the scores kernel for padded heads `hp`, index dim `d` and `n`
+    query rows. On tensor cores (fp8, bf16) M = BT·HP = 128 (wgmma-sized: 4 rows × GLM-5's 32 heads) against 128 keys
+    in 8 warps, the whole D in one dot; fp32 runs as FMA dots with their operands in registers: M = 64 against 64
+    keys, D in slices of 32. BT never exceeds the rows there are (decode), and M ≥ 16 (a dot's least)."""
+    if BLOCKS is not None:
+        bt, bs, warps = BLOCKS[:3]
+    elif tensor_cores:
+        bt, bs, warps = max(1, 128 // hp), 128, 8
+        bt = min(bt, triton.next_power_of_2(n))
+    else:
+        bt, bs, warps = max(1, 64 // hp), 64, 8
+        bt = min(bt, triton.next_power_of_2(n))
+    return max(bt, triton.cdiv(16, hp)), bs, warps, d if tensor_cores else min(d, 32)
+
+
+def supported(d: int) -> bool:
+    """The scores kernel's dot runs over the whole index dim: a power of two, at least 16."""
+    return d >= 16 and d & (d - 1) == 0
+
+
+def _alloc_scores(b: int, n: int, s: int, device) -> torch.Tensor:
+    """The fp32 scores of one query chunk. Uninitialised: the tiles past every row's qpos are never written, and
+    nothing reads them (tests fill it with a sentinel to show both)."""
+    return torch.empty(b, n, s, dtype=torch.float32, device=device)
+
+
 def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True,
                          scores_only: bool = False) -> torch.Tensor:
-    """`scores_only`: run the scores kernel alone (its time, for the bench) and return the last chunk's scores."""
+    """`scores_only`: run the scores kernel alone (its time, for the bench) and return the last chunk's scores (the
+    tiles past every row's qpos uninitialised)."""
     b, t, hi, d = q.shape
     s = k.shape[1]
     topk = min(topk, s)
+    if not supported(d):
+        raise ValueError(f"the indexer kernel needs a power-of-two index dim ≥ 16, not {d}")
     ks = None
     if fp8:
         q, w, k, ks = _fp8_inputs(q, w, k)
-    else:
-        q, k = q.float(), k.float()
+    elif not (q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16) and q.device.type != "cpu"):
+        q, k = q.float(), k.float()  # bf16 / fp16 stay as they are on a GPU: exact products, fp32 sums
     w = w.float().contiguous()
     q, k, qpos = q.contiguous(), k.contiguous(), qpos.contiguous()
-    upcast = q.dtype != torch.float32 and (q.device.type != "cuda" or not fp8_dot_supported(q.device))
+    upcast = q.dtype == torch.float8_e4m3fn and not fp8_dot_supported(q.device)  # (the interpreter: fp32 dots)
+    hp = triton.next_power_of_2(hi)
     step = max(1, CHUNK_ELEMS // max(1, s * b))
     out = torch.empty(b, t, topk, dtype=torch.int64, device=q.device)
-    bt, bs, warps = (BLOCKS or (16, 64, 4))[:3]
+    ks_arg = ks if ks is not None else w
     for t0 in range(0, t, step):
         n = min(step, t - t0)
-        scores = torch.empty(b, n, s, dtype=torch.float32, device=q.device)
-        grid = (b, triton.cdiv(n, bt), triton.cdiv(s, bs))
-        ks_arg = ks if ks is not None else w
-        _scores_kernel[grid](
+        bt, bs, warps, bd = _score_tiles(hp, d, n, q.dtype != torch.float32 and not upcast)
+        nc = max(1, min(SCORE_GROUP, triton.cdiv(s, bs)))
+        scores = _alloc_scores(b, n, s, q.device)
+        _scores_kernel[(b, triton.cdiv(n, bt), triton.cdiv(s, bs * nc))](
             q, w, k, ks_arg, qpos, scores, n, s, t0,
             q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1), k.stride(0), k.stride(1),
-            ks_arg.stride(0), qpos.stride(0), scores.stride(0), scores.stride(1),
-            HI=hi, D=d, BT=bt, BS=bs, HAS_KS=ks is not None, UPCAST=upcast,
+            ks_arg.stride(0), qpos.stride(0), scores.stride(0), scores.stride(1), nc,
+            HI=hi, HP=hp, D=d, BD=bd, BT=bt, BS=bs, HAS_KS=ks is not None, UPCAST=upcast,
             PREC="ieee", RELU=relu, num_warps=warps,
         )
         if scores_only:
@@ -330,5 +391,5 @@ def _indexer_topk_triton(q, w, k, qpos, topk: int, fp8: bool, relu: bool = True,
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
-    """e4m3 tensor-core dots need compute capability ≥ 8.9 (Ada, Hopper)."""
+    """e4m3 tensor-core dots need compute capability ≥ 8.9 (Ada, Hopper). (`meta.on_meta` answers as a Hopper.)"""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -24,10 +24,12 @@ class FakeLaunch:
     is host ints and that every tensor argument is on the meta device. With `compile_for` (a Triton `GPUTarget`) it
     also compiles the kernel for that GPU, once per specialisation (argument dtypes and constexpr values), ahead of
     time and without one (Triton's own compiler and ptxas): `compiled` maps each specialisation to {"error": None or
-    the compiler's message, "shared": the shared memory it needs per block, in bytes, "regs" / "local": registers
-    and local-memory (spill) bytes per thread (cuobjdump's resource usage; None where it is not at hand), "ttir":
-    the kernel's Triton IR}. With `launches` (a list) each launch appends {"key": its specialisation, "grid",
-    "ints": its integer arguments by name} (bench/ir_offsets.py reads the arithmetic for those values)."""
+    the compiler's message, "shared": the shared memory it needs per block, in bytes, "regs" / "stack" / "local":
+    registers, stack-frame bytes (where ptxas puts spilled registers) and local-memory bytes per thread (cuobjdump's
+    resource usage; None where it is not at hand), "ttir": the kernel's Triton IR}, each launch specialised as
+    `triton.jit` specialises it (`_specialise`). With `launches` (a list) each launch appends {"key": its
+    specialisation, "grid", "ints": its integer arguments by name} (bench/ir_offsets.py reads the arithmetic for those
+    values)."""
 
     def __init__(self, name: str, launched: list[str], fn=None, compile_for=None, compiled: dict | None = None,
                  originals=None, launches: list | None = None):
@@ -61,32 +63,26 @@ class FakeLaunch:
         options = {k: v for k, v in kwargs.items() if k in launch}
         kwargs = {k: v for k, v in kwargs.items() if k not in launch}
         values = dict(zip(self.fn.arg_names, args, strict=False)) | kwargs
-        const = {p.name for p in self.fn.params if p.is_constexpr}
-        signature, constexprs = {}, {}
-        for name in self.fn.arg_names:
-            v = values.get(name)
-            if name in const:
-                signature[name], constexprs[name] = "constexpr", v
-            else:
-                signature[name] = _triton_type(v)
+        signature, constexprs, attrs = _specialise(self.fn, values, self.compile_for)
         key = (self.name, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
-               tuple(sorted(options.items())))
+               tuple(sorted(options.items())), tuple(sorted((k, repr(v)) for k, v in attrs.items())))
         if key in self.compiled:
             return key
         try:
             with self.originals():  # the kernel's jitted helpers (`_query`, ...) resolve to themselves, not fakes
-                k = triton_compile(ASTSource(fn=self.fn, signature=signature, constexprs=constexprs),
-                                   target=self.compile_for, options=options)
+                src = ASTSource(fn=self.fn, signature=signature, constexprs=constexprs, attrs=attrs)
+                k = triton_compile(src, target=self.compile_for, options=options)
             self.compiled[key] = {"error": None, "shared": k.metadata.shared, "ttir": k.asm.get("ttir"),
                                   **_resources(k.asm.get("cubin"))}
         except Exception as e:  # the compiler's message, for the report
             self.compiled[key] = {"error": f"{type(e).__name__}: {e}", "shared": None, "ttir": None, "regs": None,
-                                  "local": None}
+                                  "stack": None, "local": None}
         return key
 
 
 def _resources(cubin: bytes | None) -> dict:
-    """{"regs", "local"} of a cubin's kernel from Triton's bundled `cuobjdump -res-usage` (None where unavailable)."""
+    """{"regs", "stack", "local"} of a cubin's kernel from Triton's bundled `cuobjdump -res-usage` (None where
+    unavailable). Spilled registers show as STACK bytes (ptxas's stack frame), not LOCAL."""
     import os
     import re
     import subprocess
@@ -100,10 +96,42 @@ def _resources(cubin: bytes | None) -> dict:
             f.write(cubin)
             f.flush()
             out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
-        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
-        return {"regs": int(m.group(1)), "local": int(m.group(2))}
+        m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", out)
+        return {"regs": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(3))}
     except Exception:
-        return {"regs": None, "local": None}
+        return {"regs": None, "stack": None, "local": None}
+
+
+def _specialise(fn, values: dict, target) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as `triton.jit` makes them at a launch with these argument values: constexpr
+    parameters by value, an integer argument equal to 1 folded in as a constant, pointers (a meta tensor's address
+    is 0: aligned, as real allocations are) and integers divisible by 16 marked `tt.divisibility = 16` (what lets
+    the compiler vectorise loads and turn them into asynchronous copies), honouring `do_not_specialize`."""
+    signature, constexprs, attrs = {}, {}, {}
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.compiler import make_backend
+        from triton.runtime.jit import native_specialize_impl
+
+        backend = make_backend(target)
+    except Exception:  # an older Triton: plain types, no specialisation
+        native_specialize_impl = None
+    for i, p in enumerate(fn.params):
+        v = values.get(p.name)
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+            continue
+        if native_specialize_impl is None:
+            signature[p.name] = _triton_type(v)
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, v, p.is_const, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[p.name] = spec
+        elif isinstance(spec, str) and spec:
+            attrs[(i,)] = backend.parse_attr(spec)
+    return signature, constexprs, attrs
 
 
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -162,6 +190,7 @@ def on_meta(compile_for=None, compiled: dict | None = None, launches: list | Non
         # device-built schedule
         patch(moe, "_torch_grouped_ok", lambda xs, w: hasattr(torch, "_grouped_mm") and xs.dtype == w.dtype ==
               torch.bfloat16)
+        patch(indexer, "fp8_dot_supported", lambda device: True)  # e4m3 dots on tensor cores, as on a Hopper
         yield launched
     finally:
         for mod, name, value in reversed(saved):

@@ -96,8 +96,9 @@ def test_every_kernel_the_cuda_paths_launch_compiles_for_an_h200(tmp_path):
                        text=True, timeout=900, cwd=ROOT, env=env)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-2000:])
     assert "specialisations, 0 failed" in r.stdout
-    kernels = ("_fwd_kernel", "_bwd_kernel", "_scores_kernel", "_topk_block_kernel", "_topk_merge_kernel", "_gmm_kernel",
-               "_gmm_dw_kernel", "_route_kernel", "_swiglu_fwd", "_swiglu_bwd", "_rms_fwd", "_rms_bwd", "_rope_kernel")
+    kernels = ("_fwd_kernel", "_combine_kernel", "_bwd_ds_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel", "_scores_kernel",
+               "_topk_block_kernel", "_topk_merge_kernel", "_gmm_kernel", "_gmm_dw_kernel", "_route_kernel", "_swiglu_fwd",
+               "_swiglu_bwd", "_rms_fwd", "_rms_bwd", "_rope_kernel")
     for kernel in kernels:
         assert kernel in r.stdout, kernel
     offsets = [line for line in r.stdout.splitlines() if line.startswith("offsets at GLM-5 shapes:")]

@@ -47,6 +47,15 @@ def _gathered(x_ptr, i_ptr, y_ptr, stride, K, BLOCK: tl.constexpr, WIDE: tl.cons
     tl.store(y_ptr + c, acc)
 
 
+@triton.jit
+def _stores(x_ptr, y_ptr, stride, K, BLOCK: tl.constexpr):
+    """A loop that carries no value (no iter_args in the IR): its counter times a stride."""
+    c = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + c)
+    for k in range(0, K, 4):
+        tl.store(y_ptr + k * stride + c, v)
+
+
 def _at(fn: str, snippet: str) -> str:
     """`test_ir_offsets.py:<line>` of the first line of toy kernel `fn` that holds `snippet` (how findings name it)."""
     lines = Path(__file__).read_text().splitlines()
@@ -57,7 +66,9 @@ def _at(fn: str, snippet: str) -> str:
 SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "stride": "i32", "BLOCK": "constexpr"}
 GSIG = {"x_ptr": "*fp32", "i_ptr": "*i32", "y_ptr": "*fp32", "stride": "i32", "K": "i32", "BLOCK": "constexpr",
         "WIDE": "constexpr"}
+SSIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "stride": "i32", "K": "i32", "BLOCK": "constexpr"}
 BUILDS = {"narrow": ("_narrow", SIG, {"BLOCK": 64}), "wide": ("_wide", SIG, {"BLOCK": 64}),
+          "stores": ("_stores", SSIG, {"BLOCK": 16}),
           "gathered": ("_gathered", GSIG, {"BLOCK": 16, "WIDE": False}),
           "gathered_wide": ("_gathered", GSIG, {"BLOCK": 16, "WIDE": True})}
 
@@ -95,6 +106,13 @@ def test_follows_loaded_indices_and_loop_counters(ttir):
                              loaded={"i_ptr": (0, 1000)})
     assert [(f.where, f.hi) for f in big_k] == [(_at("_gathered", "k * stride"), (3_000_000 - 1) * 1024)]
     assert wrapping_offsets(ttir["gathered_wide"], small, (8,)) == []
+
+
+def test_follows_the_counter_of_a_loop_that_carries_no_value(ttir):
+    """`scf.for` without results (a loop of stores only): its counter is bounded by the loop, not its type's span."""
+    assert wrapping_offsets(ttir["stores"], {"stride": (1024, 1024), "K": (64, 64)}, (1,)) == []
+    big = wrapping_offsets(ttir["stores"], {"stride": (1024, 1024), "K": (3_000_000, 3_000_000)}, (1,))
+    assert [(f.where, f.hi) for f in big] == [(_at("_stores", "k * stride"), (3_000_000 - 1) * 1024)]
 
 
 if __name__ == "__main__":  # the child process of the `ttir` fixture: compile each toy kernel, write its TTIR
