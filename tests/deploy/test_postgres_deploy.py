@@ -91,8 +91,12 @@ def test_an_iteration_runs_against_postgres(pg, tmp_path, monkeypatch, capsys):
             kinds.ASSET_CHECK_EVALUATION.value, kinds.RUN_SUCCESS.value} <= events
     materialized = {k for (k,) in pg.query("dagster", "SELECT asset_key FROM asset_keys")}
     assert {'["evaluation"]', '["policy"]', '["opd_student"]'} <= materialized
-    assert pg.query("dagster", "SELECT partition FROM dynamic_partitions WHERE partitions_def_name = 'iteration'") \
-        == [("1",)]
+    # iteration 1, and 2: the partition evaluation[1] hands off to (policy[2])
+    assert sorted(pg.query("dagster", "SELECT partition FROM dynamic_partitions WHERE partitions_def_name = 'iteration'")) \
+        == [("1",), ("2",)]
+    (pol,) = pg.query("dagster", "SELECT partition FROM event_logs WHERE asset_key = %s AND dagster_event_type = %s",
+                      ('["policy"]', kinds.ASSET_MATERIALIZATION.value))
+    assert pol == ("2",)
 
     # a fresh instance from the deployment's dagster.yaml (what the webserver and daemon load) sees the same run
     deploy_home = tmp_path / "deploy_home"
@@ -100,7 +104,7 @@ def test_an_iteration_runs_against_postgres(pg, tmp_path, monkeypatch, capsys):
     (deploy_home / "dagster.yaml").write_text((ROOT / "deploy" / "dagster.yaml").read_text())
     with dg.DagsterInstance.from_config(str(deploy_home)) as inst:
         assert inst.get_run_by_id(run_id).status == dg.DagsterRunStatus.SUCCESS
-        assert inst.get_dynamic_partitions("iteration") == ["1"]
+        assert inst.get_dynamic_partitions("iteration") == ["1", "2"]
         mat = inst.get_latest_materialization_event(dg.AssetKey("evaluation"))
         assert mat is not None and mat.run_id == run_id
 
