@@ -357,17 +357,14 @@ def step_log(console, description: str, total: int | None = None) -> Iterator[Ca
 
 
 class Counter:
-    """What a `counting` bar's work calls: `advance(n)` moves it n items on, `note(text)` sets its note, `total(n)` grows
-    the work (a bench whose later parts are sized as it goes); `done` is the count so far."""
+    """What a `counting` bar's work calls: `advance(n)` moves it n items on (rich's Progress takes its own lock: episodes
+    finish on the rollout loop's thread), `note(text)` sets its note; `done` is the count so far."""
 
     def __init__(self, prog, task):
-        self._prog, self._task, self.done = prog, task, 0
-        self._lock = threading.Lock()  # episodes finish on the rollout loop's thread, stages on the caller's
+        self._prog, self._task = prog, task
 
     def advance(self, n: int = 1) -> None:
-        with self._lock:
-            self.done += n
-            self._prog.update(self._task, completed=self.done)
+        self._prog.advance(self._task, n)
 
     def __call__(self, *_args) -> None:  # an `on_done(trajectory)` hook: one item finished
         self.advance(1)
@@ -375,8 +372,9 @@ class Counter:
     def note(self, text: str) -> None:
         self._prog.update(self._task, note=text)
 
-    def total(self, n: int) -> None:
-        self._prog.update(self._task, total=n)
+    @property
+    def done(self) -> int:
+        return int(next(t.completed for t in self._prog.tasks if t.id == self._task))
 
 
 @contextlib.contextmanager

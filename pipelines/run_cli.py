@@ -154,7 +154,7 @@ def cmd_run(args) -> int:
     try:  # every configuration error fails here, before any partition or run exists
         if not isinstance(logging.getLevelName(str(args.log_level).upper()), int):
             raise LaunchRefused(f"--log-level {args.log_level!r} is not a level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
-        configs.load(args.preset, args.override)
+        cfg = configs.load(args.preset, args.override)
         check_run_config(run_config)
         if args.iteration is not None:
             iteration_number(str(args.iteration))
@@ -165,7 +165,7 @@ def cmd_run(args) -> int:
 
     try:  # the stages run agent code in a sandbox on this machine: without bubblewrap (or Docker) say so now, not as
         # a stage that fails its retries with the reason only in the log
-        make_sandbox(configs.load(args.preset, args.override).envs.sandbox)
+        make_sandbox(cfg.envs.sandbox)
     except SandboxUnavailable as e:
         con.print(f"[red]error:[/red] {escape(str(e))}")
         return 2

@@ -330,12 +330,9 @@ def _score_tiles(hp: int, d: int, n: int, tensor_cores: bool) -> tuple[int, int,
     keys, D in slices of 32. BT never exceeds the rows there are (decode), and M ≥ 16 (a dot's least)."""
     if BLOCKS is not None:
         bt, bs, warps = BLOCKS[:3]
-    elif tensor_cores:
-        bt, bs, warps = max(1, 128 // hp), 128, 8
-        bt = min(bt, triton.next_power_of_2(n))
     else:
-        bt, bs, warps = max(1, 64 // hp), 64, 8
-        bt = min(bt, triton.next_power_of_2(n))
+        tile = 128 if tensor_cores else 64  # M and the keys a tile
+        bt, bs, warps = min(max(1, tile // hp), triton.next_power_of_2(n)), tile, 8
     return max(bt, triton.cdiv(16, hp)), bs, warps, d if tensor_cores else min(d, 32)
 
 

@@ -84,28 +84,45 @@ except Exception:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _query(q_ptr, bt, T, H, sq_b, sq_t, sq_h, DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr):
-        """Token `bt`'s (row, token, head ids, head mask) and absorbed query for this program's heads, split [DV | DR]."""
+    def _token(bt, T, H, BH: tl.constexpr):
+        """Token `bt`'s (row, position) and this program's head ids and head mask (its head block: program_id 1)."""
         # 64-bit token offsets: b·sq_b and t·sq_t pass 2^31 elements at GLM-5's shapes (64 heads × 576: 58,255 tokens)
         b, t = (bt // T).to(tl.int64), (bt % T).to(tl.int64)
         hh = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = hh < H
+        return b, t, hh, hh < H
+
+    @triton.jit
+    def _query(q_ptr, bt, T, H, sq_b, sq_t, sq_h, DV: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr):
+        """Token `bt`'s (row, token, head ids, head mask) and absorbed query for this program's heads, split [DV | DR]."""
+        b, t, hh, hm = _token(bt, T, H, BH)
         qb = q_ptr + b * sq_b + t * sq_t + hh[:, None] * sq_h
         qn = tl.load(qb + tl.arange(0, DV)[None, :], mask=hm[:, None], other=0.0)
         qr = tl.load(qb + DV + tl.arange(0, DR)[None, :], mask=hm[:, None], other=0.0)
         return b, t, hh, hm, qn, qr
 
     @triton.jit
-    def _key_tile(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, qn, qr,
-                  DV: tl.constexpr, DR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-        """One tile of BK selected rows: (slots, usable, row ids, latent [BK, DV], rope [BK, DR], raw scores [BH, BK])."""
+    def _slots(idx_ptr, b, t, k0, K, qp, si_b, si_t, BK: tl.constexpr):
+        """Slots [k0, k0 + BK) of the token's selection: (slot ids, usable (0 ≤ row ≤ qpos), row ids (0 where not))."""
         kk = k0 + tl.arange(0, BK)
         ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
         ok = (kk < K) & (ix >= 0) & (ix <= qp)
-        ixs = tl.where(ok, ix, 0)
+        return kk, ok, tl.where(ok, ix, 0)
+
+    @triton.jit
+    def _rows(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, DV: tl.constexpr, DR: tl.constexpr,
+              BK: tl.constexpr):
+        """`_slots` and the usable rows gathered: (slot ids, usable, row ids, latent [BK, DV], rope [BK, DR])."""
+        kk, ok, ixs = _slots(idx_ptr, b, t, k0, K, qp, si_b, si_t, BK)
         r = base + ixs[:, None] * skv_s
         kc = tl.load(r + tl.arange(0, DV)[None, :], mask=ok[:, None], other=0.0)
         kr = tl.load(r + DV + tl.arange(0, DR)[None, :], mask=ok[:, None], other=0.0)
+        return kk, ok, ixs, kc, kr
+
+    @triton.jit
+    def _key_tile(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, qn, qr,
+                  DV: tl.constexpr, DR: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+        """One tile of BK selected rows: (slots, usable, row ids, latent [BK, DV], rope [BK, DR], raw scores [BH, BK])."""
+        kk, ok, ixs, kc, kr = _rows(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, DV, DR, BK)
         s = tl.dot(qn, tl.trans(kc), input_precision=PREC) + tl.dot(qr, tl.trans(kr), input_precision=PREC)
         return kk, ok, ixs, kc, kr, s
 
@@ -152,10 +169,7 @@ if triton is not None:
         """Program (token, head block, DV slice): the split parts' outputs merged, each weighted by exp(its log-sum-exp −
         the total's): o = Σ exp(lse_p − lse)·o_p, lse = log Σ exp(lse_p). No usable key in any part: 0 and +inf, as
         one pass gives; a NaN part makes the head NaN."""
-        bt = tl.program_id(0)
-        b, t = (bt // T).to(tl.int64), (bt % T).to(tl.int64)
-        hh = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = hh < H
+        b, t, hh, hm = _token(tl.program_id(0), T, H, BH)
         dd = tl.program_id(2) * BD + tl.arange(0, BD)
         sp = tl.arange(0, NSP)
         lp = tl.load(lp_ptr + b * sq_b + t * sq_t + sp[:, None] * sq_s + hh[None, :],
@@ -215,10 +229,7 @@ if triton is not None:
         """Program (token c0 + i of the chunk, head block): dq = dS·[kc | kr]·scale over the selected rows (gathered
         again, the token's rows once for all of its heads)."""
         i = tl.program_id(0)
-        bt = c0 + i
-        b, t = (bt // T).to(tl.int64), (bt % T).to(tl.int64)
-        hh = tl.program_id(1) * BH + tl.arange(0, BH)
-        hm = hh < H
+        b, t, hh, hm = _token(c0 + i, T, H, BH)
         dv, dr = tl.arange(0, DV), tl.arange(0, DR)
         qp = tl.load(qpos_ptr + b * sp_b + t)
         base = kv_ptr + tl.load(rows_ptr + b) * skv_n
@@ -226,12 +237,7 @@ if triton is not None:
         dqn = tl.zeros((BH, DV), tl.float32)
         dqr = tl.zeros((BH, DR), tl.float32)
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
-            ok = (kk < K) & (ix >= 0) & (ix <= qp)
-            r = base + tl.where(ok, ix, 0)[:, None] * skv_s
-            kc = tl.load(r + dv[None, :], mask=ok[:, None], other=0.0)
-            kr = tl.load(r + DV + dr[None, :], mask=ok[:, None], other=0.0)
+            kk, _, _, kc, kr = _rows(idx_ptr, base, b, t, k0, K, qp, si_b, si_t, skv_s, DV, DR, BK)
             ds = tl.load(ds_ptr + wbase + kk[None, :], mask=hm[:, None] & (kk < K)[None, :], other=0.0)
             dqn += tl.dot(ds, kc, input_precision=PREC)
             dqr += tl.dot(ds, kr, input_precision=PREC)
@@ -258,15 +264,13 @@ if triton is not None:
         dbase = dkv_ptr + tl.load(rows_ptr + b) * sdkv_n
         wbase = i.to(tl.int64) * sw_t + hh[None, :] * sw_h
         for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            ix = tl.load(idx_ptr + b * si_b + t * si_t + kk, mask=kk < K, other=-1)
-            ok = (kk < K) & (ix >= 0) & (ix <= qp)
+            kk, ok, ixs = _slots(idx_ptr, b, t, k0, K, qp, si_b, si_t, BK)
             wm = (kk < K)[:, None] & hm[None, :]
             dst = tl.load(ds_ptr + wbase + kk[:, None], mask=wm, other=0.0)  # dSᵀ [BK, BH]
             pt = tl.load(p_ptr + wbase + kk[:, None], mask=wm, other=0.0)
             dkc = tl.dot(dst, qn, input_precision=PREC) * scale + tl.dot(pt, do, input_precision=PREC)
             dkr = tl.dot(dst, qr, input_precision=PREC) * scale
-            dr_ = dbase + tl.where(ok, ix, 0)[:, None] * sdkv_s
+            dr_ = dbase + ixs[:, None] * sdkv_s
             tl.atomic_add(dr_ + dv[None, :], dkc, mask=ok[:, None])
             tl.atomic_add(dr_ + DV + dr[None, :], dkr, mask=ok[:, None])
 

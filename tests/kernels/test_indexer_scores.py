@@ -16,13 +16,6 @@ pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton i
 SENTINEL = 12345.0
 
 
-@pytest.fixture
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("TEMPER_KERNELS", "triton")
-    if not torch.cuda.is_available():
-        assert kernels.interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before kernels is imported"
-
-
 def _grid_inputs(b, t, s, hi, d, seed):
     """Dyadic values: every score is exact in fp32 whatever the summation order (heads, D slices), and many tie."""
     g = torch.Generator().manual_seed(seed)

@@ -19,13 +19,6 @@ from temper_kernels import rotary as krope
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
 
 
-@pytest.fixture
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("TEMPER_KERNELS", "triton")
-    if not torch.cuda.is_available():
-        assert kernels.interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before kernels is imported"
-
-
 # ---- dispatch ------------------------------------------------------------------------------------------------
 def test_dispatch_picks_reference_on_cpu_and_obeys_the_override(monkeypatch):
     x = torch.zeros(2)

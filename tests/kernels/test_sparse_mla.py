@@ -15,13 +15,6 @@ from temper_kernels import mla as kmla
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed on this platform")
 
 
-@pytest.fixture
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("TEMPER_KERNELS", "triton")
-    if not torch.cuda.is_available():
-        assert kernels.interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before kernels is imported"
-
-
 def _inputs(b, t, h, dv, dr, kk, s=48, seed=0):
     """q [B,T,H,dv+dr], a pool of 3 slots of s rows, idx [B,T,kk] (distinct rows, pads, picks past qpos), qpos, slots
     (row b reads slot slots[b]); query (0, 1) has no usable key."""

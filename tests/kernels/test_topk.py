@@ -18,13 +18,6 @@ pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton i
 NEG_NAN = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()  # bits 0xFFC00000: a NaN, sign set
 
 
-@pytest.fixture
-def triton_mode(monkeypatch):
-    monkeypatch.setenv("TEMPER_KERNELS", "triton")
-    if not torch.cuda.is_available():
-        assert kernels.interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before kernels is imported"
-
-
 def _slow(scores: torch.Tensor, qpos: torch.Tensor, k: int) -> torch.Tensor:
     """Independent selection: per row, sort (score desc with NaN and s > qpos as −inf, then position asc), take k,
     return them ascending. Python floats: −0.0 == 0.0."""

@@ -245,16 +245,16 @@ def test_step_log_prints_every_message_and_moves_its_bar():
     assert "100/200 " in text.replace("base step 100/200", "")  # the bar's k/N, drawn when it stops
 
 
-def test_counting_bar_counts_every_item_from_many_threads_and_grows_its_total():
+def test_counting_bar_counts_every_item_from_many_threads():
     """The benches' bars: `Counter` is the `on_done` hook of episodes that finish on other threads; every call counts
-    once (a lost update would leave the bar short), `total` resizes the work, and the bar ends at k/N."""
+    once (a lost update would leave the bar short), `advance(n)` moves it n on, and the bar ends at k/N."""
     import threading
 
     from pipelines.progress import counting
 
     out = io.StringIO()
     con = Console(file=out, force_terminal=True, width=140, color_system=None, highlight=False)
-    with counting(con, "episodes", 400) as bar:
+    with counting(con, "episodes", 410) as bar:
         def work():
             for _ in range(100):
                 bar(object())  # a finished trajectory
@@ -264,7 +264,6 @@ def test_counting_bar_counts_every_item_from_many_threads_and_grows_its_total():
         for t in threads:
             t.join()
         assert bar.done == 400
-        bar.total(410)
         bar.advance(7)
         bar.note("dense")
     text = out.getvalue()
