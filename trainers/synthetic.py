@@ -7,7 +7,11 @@ learns to copy (the held-out pass@1 of kv-lookup and calc-chain stayed at 0.00 a
 90% of tokens right and the misses all copied digits). These sequences are dense in exactly that skill:
 
 * **recall** — `ant=245 bee=913 cat=77\\nbee?913\\nant?245\\n`: an associative lookup, the values trained;
-* **echo** — `say 4821 7 → 4821 7`: copy a span verbatim, the copy trained.
+* **echo** — `say 4821 7 → 4821 7`: copy a span verbatim, the copy trained;
+* **bind** — the environments' own instruction phrasing with 2–4 items (`set RATE (now 4) to 1 and DEPTH (now 3) to
+  4.`, `Start with 39, multiply by 6, then add 90.`), then every item asked for by name or place in random order
+  (`DEPTH: 3 -> 4`, `step 2: add 90`), the values trained: picking the right value among several, which the
+  tiny base misses on the second constant of a two-constant edit and on a chain's later operands.
 
 A pattern named `synth:recall` or `synth:echo` in `base.curriculum` draws from these instead of from
 environments. The data are a pure function of (kind, n, seed): no files, nothing downloaded.
@@ -20,7 +24,9 @@ import random
 from model.tokenizer import Tokenizer
 from rollout.types import Segment
 
-KINDS = ("recall", "echo")
+KINDS = ("recall", "echo", "bind")
+_NAMES = ["RATE", "SIZE", "LIMIT", "DEPTH", "WIDTH", "RETRIES", "BATCH", "STEPS"]  # set-const's constants
+_OPS = {"add": "add", "sub": "subtract", "mul": "multiply by"}
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -65,11 +71,32 @@ def echo(rng: random.Random, tok: Tokenizer) -> Segment:
     return _segment([(f"{filler} say {span}.\n" if filler else f"say {span}.\n", False), (f"{span}\n", True)], tok)
 
 
+def bind(rng: random.Random, tok: Tokenizer) -> Segment:
+    """2–4 items in an environment's phrasing, then each asked for in random order with its values as the target."""
+    n = rng.randint(2, 4)
+    if rng.random() < 0.5:
+        names = rng.sample(_NAMES, n)
+        now = {k: rng.randint(1, 9) for k in names}
+        to = {k: rng.choice([v for v in range(1, 10) if v != now[k]]) for k in names}
+        parts = [("set " + " and ".join(f"{k} (now {now[k]}) to {to[k]}" for k in names) + ".\n", False)]
+        for k in rng.sample(names, n):
+            parts += [(f"{k}:", False), (f" {now[k]} -> {to[k]}\n", True)]
+    else:
+        start = rng.randint(2, 99)
+        steps = [(rng.choice(list(_OPS)), rng.randint(2, 99)) for _ in range(n)]
+        said = ", then ".join(f"{_OPS[op]} {x}" for op, x in steps)
+        parts = [(f"Start with {start}, {said}.\n", False)]
+        asks = [("start", str(start))] + [(f"step {i + 1}", f"{op} {x}") for i, (op, x) in enumerate(steps)]
+        for q, a in rng.sample(asks, len(asks)):
+            parts += [(f"{q}:", False), (f" {a}\n", True)]
+    return _segment(parts, tok)
+
+
 def synthetic_segments(kind: str, n: int, seed: int, tok: Tokenizer) -> list[Segment]:
     """`n` sequences of `kind` (one of KINDS), a pure function of (kind, n, seed)."""
     if kind not in KINDS:
         raise ValueError(f"base.curriculum: unknown synthetic pattern 'synth:{kind}' (have: "
                          f"{', '.join('synth:' + k for k in KINDS)})")
-    make = recall if kind == "recall" else echo
+    make = {"recall": recall, "echo": echo, "bind": bind}[kind]
     rng = random.Random(f"synth:{kind}:{seed}")
     return [make(rng, tok) for _ in range(n)]
