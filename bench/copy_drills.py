@@ -81,8 +81,9 @@ def main() -> None:
     pool = [s for k in KINDS for s in synthetic_segments(k, 4000, 1, tok)]
     test = {k: synthetic_segments(k, 200, 999, tok) for k in KINDS}
     torch.manual_seed(0)
-    models = {"temper": Transformer(cfg),
-              "reference": Reference(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads)}
+    models = {"temper": Transformer(cfg)}
+    torch.manual_seed(0)  # the reference's weights do not depend on the temper configuration's size
+    models["reference"] = Reference(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads)
     opts = {n: torch.optim.AdamW(m.parameters(), lr=a.lr, weight_decay=0.0) for n, m in models.items()}
     rng = random.Random(0)
     every = max(1, a.steps // a.points)
