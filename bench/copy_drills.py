@@ -10,7 +10,7 @@ copies a span, `recall` looks a key's value up among 2–5 pairs. Both models be
 
 - **temper**: the preset's model (`-o model.KEY=VALUE` changes it), GLM-5's architecture (MLA, MoE, DSA, RoPE);
 - **reference**: `torch.nn.TransformerEncoder` as a causal decoder, the same width, depth and heads, a learned
-  absolute position embedding, pre-norm, a GELU MLP of 4× width.
+  absolute position embedding (`--reference-positions none`: without one), pre-norm, a GELU MLP of 4× width.
 
 The table gives each model's share of target digits predicted right (teacher-forced argmax on 200 held-out drill
 sequences per kind) at evenly spaced steps, and the ratio temper ÷ reference. The tiny base's in-task copy errors
@@ -34,9 +34,9 @@ KINDS = ("echo", "recall")
 class Reference(nn.Module):
     """A plain pre-norm causal decoder from torch.nn's own layers."""
 
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_len: int = 512):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_len: int = 512, positions: bool = True):
         super().__init__()
-        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d) if positions else None
         layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
         self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
@@ -44,7 +44,8 @@ class Reference(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(t)
-        return self.head(self.norm(self.enc(self.emb(ids) + self.pos(torch.arange(t)), mask=mask, is_causal=True)))
+        x = self.emb(ids) + (self.pos(torch.arange(t)) if self.pos is not None else 0)  # none: order from the mask alone
+        return self.head(self.norm(self.enc(x, mask=mask, is_causal=True)))
 
 
 def digit_accuracy(model: nn.Module, segs: list, pad_id: int) -> float:
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--points", type=int, default=3, help="evaluations over the run")
+    ap.add_argument("--reference-positions", choices=("learned", "none"), default="learned",
+                    help="the reference's position embedding (none: a causal decoder without one)")
     ap.add_argument("-o", "--override", action="append", default=[])
     a = ap.parse_args()
 
@@ -83,7 +86,8 @@ def main() -> None:
     torch.manual_seed(0)
     models = {"temper": Transformer(cfg)}
     torch.manual_seed(0)  # the reference's weights do not depend on the temper configuration's size
-    models["reference"] = Reference(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads)
+    models["reference"] = Reference(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                                    positions=a.reference_positions == "learned")
     opts = {n: torch.optim.AdamW(m.parameters(), lr=a.lr, weight_decay=0.0) for n, m in models.items()}
     rng = random.Random(0)
     every = max(1, a.steps // a.points)
