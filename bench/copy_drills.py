@@ -48,6 +48,19 @@ class Reference(nn.Module):
         return self.head(self.norm(self.enc(x, mask=mask, is_causal=True)))
 
 
+class CausalMHA(nn.Module):
+    """Plain multi-head attention in place of one of temper's MLA layers (`--temper-attention mha`): the same call
+    and return as `MLA.forward` for a cache-free forward, so one part of the model is swapped and the rest is kept."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+
+    def forward(self, x: torch.Tensor, ctx, shared_sel=None):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.attn(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0], None
+
+
 def digit_accuracy(model: nn.Module, segs: list, pad_id: int) -> float:
     """Share of trained digit tokens whose teacher-forced argmax is right."""
     from trainers.sft import pad_segments
@@ -72,6 +85,10 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=3, help="evaluations over the run")
     ap.add_argument("--reference-positions", choices=("learned", "none"), default="learned",
                     help="the reference's position embedding (none: a causal decoder without one)")
+    ap.add_argument("--temper-attention", choices=("mla", "mha"), default="mla",
+                    help="mha: every MLA layer of temper's model replaced by plain causal multi-head attention")
+    ap.add_argument("--temper-embed-std", type=float, default=None,
+                    help="re-initialise temper's token embedding at this std (torch.nn.Embedding's default is 1)")
     ap.add_argument("-o", "--override", action="append", default=[])
     a = ap.parse_args()
 
@@ -85,6 +102,11 @@ def main() -> None:
     test = {k: synthetic_segments(k, 200, 999, tok) for k in KINDS}
     torch.manual_seed(0)
     models = {"temper": Transformer(cfg)}
+    if a.temper_attention == "mha":
+        for layer in models["temper"].layers:
+            layer.self_attn = CausalMHA(cfg.hidden_size, cfg.num_attention_heads)
+    if a.temper_embed_std is not None:
+        nn.init.normal_(models["temper"].embed_tokens.weight, std=a.temper_embed_std)
     torch.manual_seed(0)  # the reference's weights do not depend on the temper configuration's size
     models["reference"] = Reference(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                                     positions=a.reference_positions == "learned")
