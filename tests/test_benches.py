@@ -71,3 +71,20 @@ def test_the_reference_decoder_is_causal():
     with torch.no_grad():
         torch.testing.assert_close(ref(a)[:, :8], ref(b)[:, :8])
         assert not torch.allclose(ref(a)[:, 8:], ref(b)[:, 8:])
+
+
+def test_the_mha_swap_keeps_temper_causal():
+    """`--temper-attention mha` compares attention kinds only if the swapped model still cannot see the future."""
+    from model import Transformer
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    m = Transformer(cfg).eval()
+    for layer in m.layers:
+        layer.self_attn = _bench("copy_drills").CausalMHA(cfg.hidden_size, cfg.num_attention_heads)
+    a = torch.randint(0, 256, (2, 12))
+    b = a.clone()
+    b[:, 8:] = (b[:, 8:] + 1) % 256
+    with torch.no_grad():
+        torch.testing.assert_close(m(a)[:, :8], m(b)[:, :8])
+        assert not torch.allclose(m(a)[:, 8:], m(b)[:, 8:])
