@@ -38,9 +38,9 @@ def test_fresh_held_out_sets_share_no_task_with_the_held_out_set_the_base_recipe
 class _Oracle(torch.nn.Module):
     """Logits that put all mass on the true next token, or on the token `shift` positions later."""
 
-    def __init__(self, ids: torch.Tensor, shift: int = 0):
+    def __init__(self, shift: int = 0):
         super().__init__()
-        self.ids, self.shift = ids, shift
+        self.shift = shift
 
     def forward(self, ids):
         nxt = torch.roll(ids, -1 - self.shift, dims=1)
@@ -54,8 +54,8 @@ def test_digit_accuracy_scores_only_trained_digits():
 
     ids, mask = pad_segments(segs, 256)
     digit_accuracy = _bench("copy_drills").digit_accuracy
-    assert digit_accuracy(_Oracle(ids), segs, 256) == 1.0
-    wrong = digit_accuracy(_Oracle(ids, shift=1), segs, 256)  # predicts the token after next: right only on repeats
+    assert digit_accuracy(_Oracle(), segs, 256) == 1.0
+    wrong = digit_accuracy(_Oracle(shift=1), segs, 256)  # predicts the token after next: right only on repeats
     tgt, m = ids[:, 1:], mask[:, 1:]
     digits = (tgt >= 48) & (tgt <= 57) & m
     want = ((torch.roll(ids, -2, dims=1)[:, :-1] == tgt) & digits).sum().item() / digits.sum().item()

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import random
 
+from envs.families.code import CONSTS
+from envs.families.math import OPS
 from model.tokenizer import Tokenizer
 from rollout.types import Segment
 
 KINDS = ("recall", "echo", "bind")
-_NAMES = ["RATE", "SIZE", "LIMIT", "DEPTH", "WIDTH", "RETRIES", "BATCH", "STEPS"]  # set-const's constants
-_OPS = {"add": "add", "sub": "subtract", "mul": "multiply by"}
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -75,7 +75,7 @@ def bind(rng: random.Random, tok: Tokenizer) -> Segment:
     """2–4 items in an environment's phrasing, then each asked for in random order with its values as the target."""
     n = rng.randint(2, 4)
     if rng.random() < 0.5:
-        names = rng.sample(_NAMES, n)
+        names = rng.sample(CONSTS, n)
         now = {k: rng.randint(1, 9) for k in names}
         to = {k: rng.choice([v for v in range(1, 10) if v != now[k]]) for k in names}
         parts = [("set " + " and ".join(f"{k} (now {now[k]}) to {to[k]}" for k in names) + ".\n", False)]
@@ -83,8 +83,8 @@ def bind(rng: random.Random, tok: Tokenizer) -> Segment:
             parts += [(f"{k}:", False), (f" {now[k]} -> {to[k]}\n", True)]
     else:
         start = rng.randint(2, 99)
-        steps = [(rng.choice(list(_OPS)), rng.randint(2, 99)) for _ in range(n)]
-        said = ", then ".join(f"{_OPS[op]} {x}" for op, x in steps)
+        steps = [(rng.choice(list(OPS)), rng.randint(2, 99)) for _ in range(n)]
+        said = ", then ".join(OPS[op][1].format(n=x) for op, x in steps)  # calc-chain's own phrasing
         parts = [(f"Start with {start}, {said}.\n", False)]
         asks = [("start", str(start))] + [(f"step {i + 1}", f"{op} {x}") for i, (op, x) in enumerate(steps)]
         for q, a in rng.sample(asks, len(asks)):
