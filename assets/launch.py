@@ -12,6 +12,8 @@ config mapping, which Dagster applies when it validates a run config, before it 
   there (`check_parent`; the Launchpad cannot see the partition when it checks a config, so a run it starts is
   refused by its first step instead, once, without retries);
 - a partition key is an iteration number: 1, 2, … (`iteration_number`);
+- `base.checkpoint`'s card records the recipe of the preset's `base` section, which the held-out set is kept disjoint
+  from (`stages.warm.check_recipe`);
 - the MLflow tracking URI (`temper.mlflow_uri`, else $TEMPER_MLFLOW_URI) is a database SQLAlchemy can open with the
   drivers installed (`store.tracking.sql_url_problem`).
 
@@ -43,10 +45,12 @@ def resource_problems(run_config: Mapping | None) -> list[str]:
     problems = []
     try:
         temper = TemperResource(**_section(run_config, "temper"))  # the preset, overrides and settings resolve
+        from stages.warm import check_recipe
         from store.tracking import sql_url_problem, tracking_uri
 
         if why := sql_url_problem(tracking_uri(temper.run_root, temper.mlflow_uri)):  # or $TEMPER_MLFLOW_URI
             problems.append(f"temper: the MLflow tracking URI: {why}")
+        check_recipe(temper.config().base)  # the shipped base's card against the preset's recipe
     except ValueError as e:
         problems.append(f"temper: {_short(e)}")
     try:

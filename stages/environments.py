@@ -23,7 +23,9 @@ def env_specs(cfg, out: Path, iteration: int = 1, parent_checkpoint: str | None 
     from envs.dataset import write_dataset
 
     from .env_sets import build_sets
+    from .warm import check_recipe
 
+    check_recipe(cfg.base)  # the held-out set below is disjoint from the base's recipe only if it is the preset's
     off = ITERATION_SEED_STRIDE * (iteration - 1)
     e = cfg.envs.model_copy(update={"seed": cfg.envs.seed + off, "rl_seed": cfg.envs.rl_seed + off,
                                     "val_seed": cfg.envs.val_seed + off})

@@ -37,6 +37,38 @@ def check_base(ckpt: Path) -> dict:
     return card
 
 
+def recipe_mismatch(card: dict, bc) -> list[str]:
+    """How the base's card says its demonstrations were drawn, where that differs from the preset's `base` section
+    (which the held-out set is kept disjoint from: `stages/env_sets.py`); [] when they agree or the card has no
+    recipe. A mismatch would leave tasks the base was trained on in the held-out set, unseen."""
+    from trainers.config import BaseConfig
+
+    if not card.get("recipe"):
+        return []
+    theirs = BaseConfig.model_validate({k: v for k, v in card["recipe"].items() if k in BaseConfig.model_fields})
+    out = [f"base.{k}: {getattr(theirs, k)!r} on the card, {getattr(bc, k)!r} here"
+           for k in ("n_per_pattern", "data_seed") if getattr(theirs, k) != getattr(bc, k)]
+    if theirs.patterns != bc.patterns:  # a pattern's data seed is its index in this list
+        a, b = set(theirs.patterns), set(bc.patterns)
+        what = (f"only on the card {sorted(a - b)}, only here {sorted(b - a)}" if a != b else
+                "the same patterns in another order (a pattern's data seed is its place)")
+        out.append(f"base.curriculum / base.phase2.add_patterns: {what}")
+    return out
+
+
+def check_recipe(bc) -> None:
+    """ValueError when `base.checkpoint`'s card was drawn by another recipe than `bc` (the preset's `base`)."""
+    if not bc.checkpoint:
+        return
+    card_path = resolve_base(bc.checkpoint) / "card.json"
+    if not card_path.exists():
+        return
+    if diff := recipe_mismatch(json.loads(card_path.read_text()), bc):
+        raise ValueError(f"base: the held-out set is kept disjoint from the preset's base recipe, but "
+                         f"{bc.checkpoint} was trained on another ({'; '.join(diff)}): set these keys to its card's "
+                         "recipe")
+
+
 def hand_off(rule: str, student: str, warm_start: str, champion_moved: bool) -> tuple[str, str]:
     """The checkpoint iteration N hands to N+1 as its warm start, and why (`hand_off` in the config): under
     "champion", the student only if it became the champion, else N's own warm start; under "student", the
@@ -76,6 +108,8 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
         ckpt = resolve_base(cfg.base.checkpoint)
         card = check_base(ckpt)
         _same_model(cfg, str(ckpt), "base.checkpoint")
+        if diff := recipe_mismatch(card, cfg.base):
+            raise ValueError(f"base: {ckpt} was trained on another recipe than the preset's: {'; '.join(diff)}")
         log(f"warm start: base checkpoint {ckpt} ({card.get('steps', '?')} recipe steps, card pass@1 "
             f"{card.get('eval', {}).get('all', {}).get('pass@1', float('nan')):.2f})")
         return {"checkpoint": str(ckpt), "parent": None, "source": "base", "sft_steps": 0, "resumed_from_step": 0,

@@ -78,3 +78,48 @@ def test_a_base_checkpoint_of_another_model_is_refused_with_the_keys():
     with pytest.raises(ValueError, match=r"base.checkpoint .* another model than this preset's \(hidden_size: 128 there"):
         stages.warm_start(configs.load("micro", [f"base.checkpoint={base}"]), {"train": None}, Path("/nonexistent"),
                           None)
+
+
+def test_a_base_trained_on_another_recipe_than_the_presets_is_refused_at_launch_and_at_each_stage(tmp_path):
+    """The held-out set is kept disjoint from the preset's `base` recipe; a base whose card records another recipe
+    would leave its training tasks in the held-out set, so the launch check, `env_specs` and `warm_start` refuse it
+    and name the keys. The shipped base's card matches tiny's recipe."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from assets.launch import LaunchRefused, check_run_config
+    from stages.warm import check_recipe, recipe_mismatch
+
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-base"
+    tiny = configs.load("tiny")
+    card = json.loads((shipped / "card.json").read_text())
+    assert recipe_mismatch(card, tiny.base) == []
+    check_recipe(tiny.base)
+    moved = card["recipe"]["phase2"]["add_patterns"][:]
+    card["recipe"]["data_seed"] += 1
+    card["recipe"]["phase2"]["add_patterns"] = [*moved, "calc-chain?horizon=9"]
+    assert recipe_mismatch(card, tiny.base) == [
+        f"base.data_seed: {tiny.base.data_seed + 1} on the card, {tiny.base.data_seed} here",
+        "base.curriculum / base.phase2.add_patterns: only on the card ['calc-chain?horizon=9'], only here []"]
+    card["recipe"]["data_seed"] -= 1
+    card["recipe"]["phase2"]["add_patterns"] = moved
+    first = card["recipe"]["curriculum"][0]["patterns"]
+    card["recipe"]["curriculum"][0]["patterns"] = first[::-1]  # the same patterns, drawn with each other's seeds
+    assert recipe_mismatch(card, tiny.base) == [
+        "base.curriculum / base.phase2.add_patterns: the same patterns in another order (a pattern's data seed is its "
+        "place)"]
+    card["recipe"]["curriculum"][0]["patterns"] = first
+    card["recipe"]["phase2"]["add_patterns"] = [*moved, "calc-chain?horizon=9"]
+    other = tmp_path / "other-base"
+    shutil.copytree(shipped, other)
+    (other / "card.json").write_text(json.dumps(card))
+    cfg = configs.load("tiny", [f"base.checkpoint={other}"])
+    with pytest.raises(LaunchRefused, match=r"trained on another .*only on the card \['calc-chain\?horizon=9'\]"):
+        check_run_config({"resources": {"temper": {"config": {"preset": "tiny",
+                                                                "overrides": [f"base.checkpoint={other}"]}}}})
+    with pytest.raises(ValueError, match="set these keys to its card's recipe"):
+        stages.env_specs(cfg, tmp_path / "envs")
+    assert not (tmp_path / "envs").exists()  # refused before any set was written
+    with pytest.raises(ValueError, match=r"trained on another recipe than the preset's: base.curriculum"):
+        stages.warm_start(cfg, {"train": None}, tmp_path / "ws", None)
