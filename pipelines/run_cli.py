@@ -175,6 +175,9 @@ def cmd_run(args) -> int:
     except ValueError as e:  # $TEMPER_DAGSTER_PG_URL names a database SQLAlchemy cannot open
         con.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
+    from .stale_runs import reap
+
+    reap(instance, lambda s: con.print(f"[yellow]note:[/] {escape(s)}"))  # a killed run would hold its pool slot
     k = getattr(args, "iterations", None) or 1
     ran: list[str] = []
     for i in range(k):
@@ -206,6 +209,7 @@ def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
     from pipelines.definitions import defs
 
     from .progress import execute_live
+    from .stale_runs import run_tags
 
     keys = instance.get_dynamic_partitions(ITERATIONS.name)
     run_root = Path(args.run_root)
@@ -229,7 +233,7 @@ def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
     t0 = time.perf_counter()
     res, board = execute_live(defs.resolve_job_def("iteration"), run_config, instance, it, log_path=log_path,
                               console=con, stages=STAGES, title=f"iteration {it}",
-                              echo_level=logging.getLevelName(str(args.log_level).upper()))
+                              echo_level=logging.getLevelName(str(args.log_level).upper()), tags=run_tags())
     wall = time.perf_counter() - t0
     for r in (board.rows[n] for n in board.order):
         if r.state == "failed":

@@ -307,6 +307,8 @@ def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, mon
     end FAILED, and the next `temper run` reruns that iteration instead of burning a new number."""
     import argparse
     import os
+    import subprocess
+    import sys
 
     from pipelines.run_cli import cmd_run
     from store.tracking import Tracker
@@ -331,10 +333,23 @@ def test_temper_run_validates_first_and_repairs_a_failed_iteration(tmp_path, mon
     runs = tr.client.search_runs([tr.experiment_id], "tags.temper_iteration = '1'")
     assert runs and {r.info.status for r in runs} <= {"FAILED", "FINISHED"} and \
         any(r.info.status == "FAILED" for r in runs)
+    from pipelines.stale_runs import PID_TAG, run_tags
+
+    instance = dg.DagsterInstance.get()
+    (first,) = instance.get_runs()
+    assert first.tags[PID_TAG] == str(os.getpid())  # each run names the process that executes it
+    # a run whose process was killed mid-step (here: a pid that has exited) is closed before the next launch
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = instance.create_run_for_job(defs.resolve_job_def("iteration"), tags={**run_tags(), PID_TAG: str(gone.pid)},
+                                        status=dg.DagsterRunStatus.STARTED)
     capsys.readouterr()
     assert run("envs.n_train=0") == 1
     assert partitions() == ["1"]
-    assert "iteration 1 did not finish: running it again" in " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().out.split())
+    assert "iteration 1 did not finish: running it again" in said
+    assert f"run {stale.run_id} (iteration ?) lost its process {gone.pid}" in said
+    assert instance.get_run_by_id(stale.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
 def test_dg_scaffold_adds_a_definition_the_project_loads(tmp_path):
