@@ -273,11 +273,12 @@ def logger_def(handlers: list[logging.Handler]):
 
 
 def execute_live(job, run_config: dict, instance, partition_key: str, *, log_path, console, stages: list[str],
-                 echo_level: int = logging.WARNING, title: str = "", tags: dict | None = None):
+                 echo_level: int = logging.WARNING, title: str = "", tags: dict | None = None,
+                 run_id: str | None = None):
     """`job.execute_in_process` with its log going to `log_path` (appended: every record, DEBUG and up, as Dagster's
     console logger writes them, and the stage processes' own stdout and stderr) and to a `Board` of `stages` on
     `console` (a live table on a terminal; elsewhere one line per stage as it ends); records at or above
-    `echo_level` are printed too; `tags` go on the run. Returns (the result, the board)."""
+    `echo_level` are printed too; `tags` and `run_id` are the run's. Returns (the result, the board)."""
     from contextlib import nullcontext
     from pathlib import Path
 
@@ -304,7 +305,8 @@ def execute_live(job, run_config: dict, instance, partition_key: str, *, log_pat
             # (live, rich prints what this process writes to stdout / stderr above the table)
             with Live(board, console=con, transient=True, refresh_per_second=4) if live else nullcontext():
                 res = job.execute_in_process(run_config={**run_config, "loggers": {LOGGER: {}}}, instance=instance,
-                                             partition_key=partition_key, raise_on_error=False, tags=tags)
+                                             partition_key=partition_key, raise_on_error=False, tags=tags,
+                                             run_id=run_id)
             board.finish()
     finally:
         if before is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 STAGES = ["env_specs", "verified_envs", "warm_start", "rollout_batches", "rewards", "sao_experts", "opd_student",
@@ -209,7 +210,7 @@ def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
     from pipelines.definitions import defs
 
     from .progress import execute_live
-    from .stale_runs import run_tags
+    from .stale_runs import cancel, run_interruptibly, run_tags
 
     keys = instance.get_dynamic_partitions(ITERATIONS.name)
     run_root = Path(args.run_root)
@@ -231,9 +232,18 @@ def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
     log_path = run_dir / "dagster.log"
     con.print(f"[bold]temper[/] iteration {it} on [bold]{escape(args.preset)}[/] → {run_dir} · log: {log_path}")
     t0 = time.perf_counter()
-    res, board = execute_live(defs.resolve_job_def("iteration"), run_config, instance, it, log_path=log_path,
-                              console=con, stages=STAGES, title=f"iteration {it}",
-                              echo_level=logging.getLevelName(str(args.log_level).upper()), tags=run_tags())
+    run_id = str(uuid.uuid4())
+
+    def interrupted() -> None:  # Ctrl-C or SIGTERM: the run ends canceled, resumable, and says so
+        cancel(instance, run_id, "interrupted (Ctrl-C or SIGTERM to temper run)")
+        _mark_failed(run_root, it)
+        con.print(f"[red]interrupted:[/] iteration {it} stopped (Dagster run {run_id} canceled); "
+                  f"[bold]{escape(again(args))}[/] resumes it from its last finished step")
+
+    res, board = run_interruptibly(lambda: execute_live(
+        defs.resolve_job_def("iteration"), run_config, instance, it, log_path=log_path, console=con, stages=STAGES,
+        title=f"iteration {it}", echo_level=logging.getLevelName(str(args.log_level).upper()), tags=run_tags(),
+        run_id=run_id), interrupted)
     wall = time.perf_counter() - t0
     for r in (board.rows[n] for n in board.order):
         if r.state == "failed":

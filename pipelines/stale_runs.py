@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 PID_TAG = "temper/pid"
@@ -69,3 +70,56 @@ def reap(instance, log=print) -> list[str]:
             "freed")
         reaped.append(run.run_id)
     return reaped
+
+
+def _interrupt(_signo, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run_interruptibly(work, on_interrupt):
+    """`work()` in a worker thread, so that Ctrl-C and SIGTERM reach this, the main, thread. Dagster's in-process
+    execution captures both while it runs on the main thread and only checks for them at points an iteration's
+    long steps never reach, then forgets them (seen: SIGTERM to a four-iteration `temper run` was ignored, and it went
+    on into its next iteration). On either signal `on_interrupt()` runs and the process exits with status 130; the
+    stage processes see their parent gone and kill their process groups (stages/step.py), and a killed step resumes
+    from its checkpoints when the iteration runs again."""
+    import signal
+    import threading
+
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["out"] = work()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the main thread)
+            box["err"] = e
+
+    worker = threading.Thread(target=target, name="temper-run", daemon=True)
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+        try:
+            on_interrupt()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def cancel(instance, run_id: str, why: str) -> bool:
+    """Mark run `run_id` canceled (if it exists and has not ended) and free its pool slots."""
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.is_finished:
+        return False
+    instance.report_run_canceled(run, why)
+    instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+    return True

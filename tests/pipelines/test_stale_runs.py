@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import dagster as dg
 from dagster._core.storage.dagster_run import DagsterRun
@@ -60,3 +61,46 @@ def test_alive_reads_the_process_table():
     assert alive(run_tags())
     assert not alive({PID_TAG: str(_dead_pid())})
     assert not alive({**run_tags(), START_TAG: "1"})
+
+
+def test_sigterm_stops_temper_run_cancels_its_run_and_its_stage(tmp_path):
+    """SIGTERM (or Ctrl-C) to `temper run` mid-stage: it exits 130 naming the command that resumes, the Dagster run
+    ends CANCELED with its slots freed, and the stage process is gone. (Before, Dagster's in-process execution
+    captured the signal and the iteration went on.)"""
+    import signal
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "DAGSTER_HOME": ""}
+    log = tmp_path / "runs" / "pipeline" / "iteration-0001" / "dagster.log"
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--preset", "micro", "--run-root", "runs/pipeline",
+           "-o", "train.max_steps=400", "-o", "envs.n_train=4", "-o", "envs.n_eval=2", "-o", "envs.probes=false"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stage_pid = None
+        for _ in range(1200):  # until the warm start's SFT (400 steps) is under way in its stage process
+            text = log.read_text() if log.exists() else ""
+            found = [line for line in text.splitlines() if "stage warm_start started in pid" in line]
+            if found:
+                stage_pid = int(found[-1].rsplit(" ", 1)[1])
+                break
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.25)
+        assert stage_pid is not None, "the warm start never started"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    said = " ".join(out.split())
+    assert p.returncode == 130, said[-2000:]
+    assert "interrupted: iteration 1 stopped" in said and "temper run --preset micro" in said, said[-2000:]
+    for _ in range(40):  # the stage sees its parent gone within half a second and kills its group
+        if not Path(f"/proc/{stage_pid}").exists():
+            break
+        time.sleep(0.25)
+    assert not Path(f"/proc/{stage_pid}").exists()
+    with dg.DagsterInstance.from_config(str(tmp_path / "runs" / "dagster_home")) as instance:
+        (run,) = instance.get_runs()
+        assert run.status == dg.DagsterRunStatus.CANCELED
+        assert instance.event_log_storage.get_concurrency_info(POOL).claimed_slots == []
