@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import json
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 
 import dagster as dg
@@ -71,7 +72,14 @@ def _memo(context, temper: TemperResource, asset: str, work: tuple[str, ...] = (
     import configs
 
     cfg = configs.load(temper.preset_name, temper.all_overrides() + (sandbox.overrides() if sandbox else []))
-    return AssetMemo(context, temper.dir(context.partition_key), asset, cfg, work, **extra)
+    memo = AssetMemo(context, temper.dir(context.partition_key), asset, cfg, work, **extra)
+    _INPUT_KEY.set(memo.key)  # the stage's MLflow run is the one of these inputs (`_stage`, `_track`)
+    return memo
+
+
+# the input key of the asset computing now: a stage recomputed on changed inputs logs into a new MLflow run (a run's
+# params cannot change), a retry or repair on the same inputs into the same one (`Tracker.stage_run`)
+_INPUT_KEY: ContextVar[str | None] = ContextVar("temper_input_key", default=None)
 
 
 def _meta(out: dict) -> dict:
@@ -87,7 +95,8 @@ def _stage(context, pipes: StageRunner, temper: TemperResource, sandbox: Sandbox
     (the result as `result` JSON metadata, beside its scalar fields)."""
     it = _partition(context)
     tr = temper.tracker()  # the child logs its training curves into the stage's MLflow run as it trains
-    live = {"uri": tr.uri, "run_id": tr.stage_run(_iteration_run(temper, it), it, mlflow_stage or stage)}
+    live = {"uri": tr.uri, "run_id": tr.stage_run(_iteration_run(temper, it), it, mlflow_stage or stage,
+                                                  key=_INPUT_KEY.get())}
     inv = pipes.run(context, stage, [sys.executable, "-m", "stages.step", stage], trainer.env(),
                     {"stage": stage, "preset": temper.preset_name, "overrides": temper.all_overrides() + sandbox.overrides(),
                      "kwargs": kwargs, "materialize": materialize, "mlflow": live}, temper.root())
@@ -151,7 +160,7 @@ def _track(temper: TemperResource, iteration: str, stage: str, out: dict, metric
 
     metrics = {**(metrics or {}), **crash_metrics(out.get("crashes"))}
     tr = temper.tracker()
-    run = tr.stage_run(_iteration_run(temper, iteration), iteration, stage)
+    run = tr.stage_run(_iteration_run(temper, iteration), iteration, stage, key=_INPUT_KEY.get())
     curves = out.get("curves") or {}
     tr.log(run, metrics={k: v for k, v in (metrics or {}).items() if v is not None}, params=params,
            steps=None if live else curves)
@@ -500,8 +509,8 @@ def evaluation(context: dg.AssetExecutionContext, temper: TemperResource, pipes:
     tr = temper.tracker()
     run = _iteration_run(temper, it)
     curves = {f"{dom}_reward": e.get("reward_curve", []) for dom, e in experts.items()}
-    tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]},
-           params={"preset": temper.preset_name, "overrides": ",".join(temper.all_overrides()), "student": out["student"]})
+    tr.log(run, metrics={"pass_at_1_before": out["pass@1_before"], "pass_at_1_after": out["pass@1_after"]})
+    tr.client.set_tag(run, "student", out["student"])  # a tag: `temper run --iteration N -o ...` may change it
     tr.log_plot(run, f"iteration {it} · SAO reward per expert", curves, d / "plots" / "reward_curves.png")
     # the decision reads the validation set, never the held-out one (stages/decision.py)
     dec = out["decision"]

@@ -126,14 +126,18 @@ class Tracker:
                                                      [InputTag("mlflow.data.context", ctx)])
                                         for name, (digest, src, ctx) in datasets.items()])
 
-    def stage_run(self, iteration_run: str, iteration: str, stage: str) -> str:
-        """The stage's run nested under the iteration's run (found again when the step is retried)."""
+    def stage_run(self, iteration_run: str, iteration: str, stage: str, key: str | None = None) -> str:
+        """The stage's run nested under the iteration's run. With `key` (the stage's input key), the run of those
+        inputs, found again when the step is retried or repaired, and a new run when the stage recomputes on other
+        inputs (a run's params cannot change, and the earlier run keeps what its inputs gave); without, the newest."""
         runs = self.client.search_runs([self.experiment_id], f"tags.temper_iteration = '{iteration}' and "
-                                                             f"tags.temper_stage = '{stage}'", max_results=1)
-        if runs:
-            return runs[0].info.run_id
-        return self.start(stage, parent_run_id=iteration_run,
-                          tags={"temper_iteration": iteration, "temper_stage": stage, "temper_kind": "stage"})
+                                                             f"tags.temper_stage = '{stage}'",
+                                       order_by=["attributes.start_time DESC"])
+        for r in runs:
+            if key is None or r.data.tags.get("temper_input_key") == key:
+                return r.info.run_id
+        tags = {"temper_iteration": iteration, "temper_stage": stage, "temper_kind": "stage"}
+        return self.start(stage, parent_run_id=iteration_run, tags={**tags, **({"temper_input_key": key} if key else {})})
 
     def log_plot(self, run_id: str, name: str, curves: dict[str, list[float]], path: str | Path,
                  bars: dict[str, dict[str, float]] | None = None) -> Path | None:

@@ -171,3 +171,43 @@ def test_sao_experts_recompute_on_changed_config_or_upstream_and_reuse_otherwise
     _report(instance, "warm_start", {"checkpoint": "/ws/2"})  # a new warm start upstream
     res, m = run(3)
     assert calls[4:] == [("code", 3), ("math", 3)] and m.metadata["result"].value["math"]["init"] == "/ws/2"
+
+
+def test_a_stage_recomputed_on_other_inputs_logs_into_its_own_mlflow_run(instance, tmp_path, monkeypatch):
+    """An MLflow run's params cannot change, so a stage recomputed on changed inputs (here `loop.steps`, which
+    changes the expert's `skipped` param) failed every retry with "Changing param values is not allowed" while it
+    logged into the run of its earlier inputs. Each set of inputs now has its own stage run; a rerun on the same
+    inputs reuses the result and adds none."""
+    from store.tracking import Tracker
+
+    def stage(context, pipes, temper, sandbox, trainer, name, materialize=True, mlflow_stage=None, **kw):
+        steps = temper.config().loop.steps
+        Path(kw["out"]).mkdir(parents=True, exist_ok=True)
+        return {"checkpoint": kw["out"] + "/checkpoint", "steps": steps, "domain": kw["domain"],
+                "init": kw["checkpoint"], "skipped": None if steps == 1 else "saturated"}, None
+
+    monkeypatch.setattr(iteration, "_stage", stage)
+    _report(instance, "verified_envs", {"domains": ["code"], "rl": "/nowhere"})
+    _report(instance, "warm_start", {"checkpoint": "/ws/1"})
+    _report(instance, "rewards", {"domains": {}, "quarantined": []})
+
+    def run(steps: int) -> bool:
+        return dg.materialize(ALL_ASSETS, selection=dg.AssetSelection.keys("sao_experts"), partition_key="1",
+                              instance=instance, raise_on_error=False, resources=make_resources(TemperResource(
+                                  preset="micro", overrides=[f"loop.steps={steps}"],
+                                  run_root=str(tmp_path / "runs")))).success
+
+    tr = Tracker(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+
+    def stage_runs():
+        got = tr.client.search_runs([tr.experiment_id], "tags.temper_stage = 'sao_expert_code'",
+                                    order_by=["attributes.start_time ASC"])
+        return [(r.data.params.get("skipped"), r.data.params.get("steps") or r.data.metrics.get("steps"),
+                 r.data.tags.get("temper_input_key")) for r in got]
+
+    assert run(1)
+    assert run(3)  # before: MlflowException, param 'skipped' changing from 'no' to 'saturated'
+    runs = stage_runs()
+    assert [(s, n) for s, n, _ in runs] == [("no", 1.0), ("saturated", 3.0)] and runs[0][2] != runs[1][2]
+    assert run(3)  # the same inputs: the recorded result, no third run
+    assert len(stage_runs()) == 2
