@@ -216,7 +216,7 @@ def test_temper_runs_hint_is_the_exact_command_and_the_mlflow_link_comes_from_co
         def with_logger_defs(self, logger_defs):  # `temper run` adds its live board's and log file's logger
             return self
 
-        def execute_in_process(self, run_config, instance, partition_key, raise_on_error):
+        def execute_in_process(self, run_config, instance, partition_key, raise_on_error, tags=None, run_id=None):
             seen["config"] = run_config
             (tmp_path / "runs" / "pipeline" / f"iteration-{int(partition_key):04d}").mkdir(parents=True, exist_ok=True)
             return argparse.Namespace(success=False, run_id="r1", all_events=[])

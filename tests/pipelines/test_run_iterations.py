@@ -4,6 +4,7 @@ run is stubbed (a job that writes what an evaluated iteration leaves and logs th
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -11,6 +12,7 @@ import pytest
 
 from pipelines.cli import main
 from pipelines.progress import LOGGER
+from pipelines.stale_runs import PID_TAG
 
 
 def test_iteration_and_iterations_together_are_refused_when_parsed(capsys):
@@ -32,15 +34,18 @@ class StubJob:
     loggers: dict = {}
 
     def __init__(self, root: Path, fail_at: str | None = None):
-        self.root, self.fail_at, self.calls = root, fail_at, []
+        self.root, self.fail_at, self.calls, self.run_ids = root, fail_at, [], []
 
     def with_logger_defs(self, logger_defs):
         self.logger = logger_defs[LOGGER].logger_fn(None)
         return self
 
-    def execute_in_process(self, run_config, instance, partition_key, raise_on_error):
+    def execute_in_process(self, run_config, instance, partition_key, raise_on_error, tags=None, run_id=None):
         it = partition_key
         self.calls.append(it)
+        assert tags[PID_TAG] == str(os.getpid())  # each run names the process executing it (pipelines/stale_runs.py)
+        assert run_id and run_id not in self.run_ids  # its own id, known before it starts (to cancel it on Ctrl-C)
+        self.run_ids.append(run_id)
         assert run_config["loggers"] == {LOGGER: {}}
         for kind, msg in (("STEP_START", None), (None, f"SFT step 3/6: loss {it}"), ("STEP_SUCCESS", None)):
             event = argparse.Namespace(event_type_value=kind, step_key="warm_start", event_specific_data=None)
