@@ -41,9 +41,7 @@ def alive(tags) -> bool:
     pid = int(tags[PID_TAG])
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process under that pid: ours is gone
+    except (ProcessLookupError, PermissionError):  # none, or someone else's process under that pid: ours is gone
         return False
     want = tags.get(START_TAG, "")
     return not want or process_start(pid) in ("", want)

@@ -56,14 +56,17 @@ def recipe_mismatch(card: dict, bc) -> list[str]:
     return out
 
 
-def check_recipe(bc) -> None:
-    """ValueError when `base.checkpoint`'s card was drawn by another recipe than `bc` (the preset's `base`)."""
+def check_recipe(bc, card: dict | None = None) -> None:
+    """ValueError when `base.checkpoint`'s card (`card`, else read from the checkpoint) was drawn by another recipe
+    than `bc` (the preset's `base`)."""
+    from trainers.base import CARD_JSON
+
     if not bc.checkpoint:
         return
-    card_path = resolve_base(bc.checkpoint) / "card.json"
-    if not card_path.exists():
-        return
-    if diff := recipe_mismatch(json.loads(card_path.read_text()), bc):
+    if card is None:
+        card_path = resolve_base(bc.checkpoint) / CARD_JSON
+        card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    if diff := recipe_mismatch(card, bc):
         raise ValueError(f"base: the held-out set is kept disjoint from the preset's base recipe, but "
                          f"{bc.checkpoint} was trained on another ({'; '.join(diff)}): set these keys to its card's "
                          "recipe")
@@ -108,8 +111,7 @@ def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_q
         ckpt = resolve_base(cfg.base.checkpoint)
         card = check_base(ckpt)
         _same_model(cfg, str(ckpt), "base.checkpoint")
-        if diff := recipe_mismatch(card, cfg.base):
-            raise ValueError(f"base: {ckpt} was trained on another recipe than the preset's: {'; '.join(diff)}")
+        check_recipe(cfg.base, card)
         log(f"warm start: base checkpoint {ckpt} ({card.get('steps', '?')} recipe steps, card pass@1 "
             f"{card.get('eval', {}).get('all', {}).get('pass@1', float('nan')):.2f})")
         return {"checkpoint": str(ckpt), "parent": None, "source": "base", "sft_steps": 0, "resumed_from_step": 0,
