@@ -286,7 +286,8 @@ def _handed_off(context: dg.AssetExecutionContext, iteration: str, rule: str, ru
             continue
         student = meta["checkpoint"].value
         ws = meta["warm_start"].value if "warm_start" in meta else student  # records from before the rule
-        return stages.hand_off(rule, student, ws, bool(meta["champion"].value))
+        better = bool(meta["better"].value) if "better" in meta else False  # records from before the rule
+        return stages.hand_off(rule, student, ws, bool(meta["champion"].value), better)
     if elsewhere:
         raise dg.Failure(f"iteration {iteration} in run root {run_root} starts from what iteration {prev} of that run "
                          f"root hands off, but iteration {prev} ran in {', '.join(sorted(elsewhere))} only: each run "
@@ -557,7 +558,8 @@ def _hand_off_record(context, temper: TemperResource, it: str, out: dict, ws: st
         context.instance.add_dynamic_partitions(ITERATIONS.name, [nxt])
     student, warm = str(Path(out["student"]).resolve()), str(Path(ws).resolve())
     rule = temper.config().hand_off
-    chosen, why = stages.hand_off(rule, student, warm, bool(reg["champion_moved"]))
+    better = bool(out["decision"].get("better"))
+    chosen, why = stages.hand_off(rule, student, warm, bool(reg["champion_moved"]), better)
     context.log_event(dg.AssetMaterialization(POLICY_KEY, partition=nxt, description=(
         f"what iteration {it} hands to iteration {nxt}: {why}"), metadata={
         "iteration": int(it), "for_iteration": int(nxt),
@@ -567,7 +569,7 @@ def _hand_off_record(context, temper: TemperResource, it: str, out: dict, ws: st
         "run_root": dg.MetadataValue.path(str(temper.root())),  # the lineage it belongs to (see `_handed_off`)
         "source_partition": dg.MetadataValue.text(f"evaluation[{it}]"),
         "source_run": dg.MetadataValue.dagster_run(context.run_id),
-        "pass@1": out["pass@1_after"], "champion": reg["champion_moved"],
+        "pass@1": out["pass@1_after"], "champion": reg["champion_moved"], "better": better,
         "registered_version": reg["version"], "logged_model_id": reg["model_id"]}))
 
 

@@ -36,7 +36,8 @@ def final_policy(run_root: Path, rule: str, student: bool = False) -> tuple[str,
     d = run_root / f"iteration-{last:04d}"
     ev = json.loads((d / "evaluation.json").read_text())
     ws = json.loads((d / "warm_start.json").read_text())["checkpoint"]
-    ckpt, _ = hand_off(rule, ev["student"], ws, bool((ev.get("registered") or {}).get("champion_moved")))
+    ckpt, _ = hand_off(rule, ev["student"], ws, bool((ev.get("registered") or {}).get("champion_moved")),
+                       bool((ev.get("decision") or {}).get("better")))
     return (ev["student"] if student else ckpt), pts[-1]["tokens"], last
 
 

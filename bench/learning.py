@@ -96,9 +96,11 @@ def run_seed(seed: int, args, bar=None) -> list[dict]:
         if bar:
             bar.advance()
         ev = r["evaluation"]
-        moved = moves_champion(ev["significant"], ev["pass@1_after"], best)
-        best = ev["pass@1_after"] if moved else best
-        parent, why = stages.hand_off(cfg.hand_off, r["student"], r["warm_start"], moved)
+        dec = ev["decision"]  # on the validation set, as the pipeline decides: never the held-out figures
+        score = dec["pass@1_after"] if dec["set"] else ev["pass@1_after"]
+        moved = moves_champion(dec["significant"], score, best)
+        best = score if moved else best
+        parent, why = stages.hand_off(cfg.hand_off, r["student"], r["warm_start"], moved, bool(dec.get("better")))
         r.update(champion_moved=moved, hand_off=why)
         say(f"  hands off {why}")
         out.append(r)

@@ -39,11 +39,13 @@ class IterationConfig(BaseModel):
     base: BaseConfig = BaseConfig()
     trainer: TrainerConfig = TrainerConfig()
     seed: int = 0
-    # what iteration N hands to iteration N+1 as its warm start. "champion": its student only if it became the
-    # champion (a significant paired gain over its warm start, at a pass@1 above the champion's); otherwise its own
-    # warm start carries over, and N+1 retries from it on fresh RL environments, so a regressed student never
-    # becomes a starting point. "student": the student, whatever it scored
-    hand_off: Literal["champion", "student"] = "champion"
+    # what iteration N hands to iteration N+1 as its warm start, from N's decision on the validation set. "better": its
+    # student when it gained more validation tasks than it lost with no domain significantly down (the policy that
+    # validates best goes on). "champion": its student only if it became the champion (a significant paired gain
+    # over its warm start, at a pass@1 above the champion's). Otherwise its own warm start carries over, and N+1
+    # retries from it on fresh RL environments, so a regressed student never becomes a starting point. "student":
+    # the student, whatever it scored
+    hand_off: Literal["better", "champion", "student"] = "better"
 
 
 def preset_names() -> list[str]:

@@ -25,10 +25,11 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
     the servers at `urls` when given (each policy loaded in turn), else in-process; every trajectory goes to the
     store as `evaluated` by `eval:student`, `eval:warm_start` or `eval:teacher:<domain>`.
 
-    The decision (`decision`: whether the student is a significant gain, which moves the `champion` and so the
-    hand-off) reads the validation set, never the held-out one: the student and the warm start on `envs["val"]`,
-    paired (the warm start's greedy outcomes reused from OPD's teacher gate where it ran the same checkpoint on the
-    same tasks: `warm_val`, spec id -> reward). Without a validation set there is no decision: the champion stays.
+    The decision (`decision`: whether the student is a significant gain, which moves the `champion`, and whether it is
+    better, which with the champion decides the hand-off) reads the validation set, never the held-out one: the student
+    and the warm start on `envs["val"]`, paired (the warm start's greedy outcomes reused from OPD's teacher gate where
+    it ran the same checkpoint on the same tasks: `warm_val`, spec id -> reward). Without a validation set there is no
+    decision: the champion and the warm start stay.
     `progress(k, n, what)`, when given, hears how many policies of the stage have played."""
     import itertools
     import tempfile
@@ -91,8 +92,8 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             d[s.domain].append(t.reward)
         return dict(d)
 
-    decision = {"set": None, "significant": False, "p_value": None,
-                "reason": "no validation set (envs.n_val = 0): no decision, the champion stays"}
+    decision = {"set": None, "significant": False, "better": False, "p_value": None,
+                "reason": "no validation set (envs.n_val = 0): no decision, the champion and the warm start stay"}
     if envs.get("val"):
         from .decision import validation_decision
 

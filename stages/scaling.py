@@ -1,7 +1,8 @@
 """`scaling`: post-training as a scaling axis — the held-out curve over iterations and cumulative compute, its fit,
 and the forecast of the next iteration checked against what that iteration then measures.
 
-Each iteration N hands a policy to N+1 (`hand_off`: its student when it became the champion, else its warm start).
+Each iteration N hands a policy to N+1 (`hand_off`: by default its student when it was better on the validation set,
+else its warm start).
 The curve is that chain: point 0 is iteration 1's warm start (the shipped base), point N the policy iteration N
 hands off, each with its held-out pass@1 (overall and per domain, 95% Wilson intervals) and the post-training
 compute spent up to it: trained tokens (every token a gradient step of SAO or OPD read) and training FLOPs
@@ -117,7 +118,7 @@ def trained_tokens(run_dir: Path) -> int:
                + opd.get("trained_tokens", 0))
 
 
-def chain_points(run_root: Path, upto: int, rule: str = "champion") -> list[dict]:
+def chain_points(run_root: Path, upto: int, rule: str = "better") -> list[dict]:
     """The curve's points from the run root's iteration directories 1..`upto` (each with `evaluation.json`): point 0
     the base, point N the policy iteration N hands off. Stops at the first iteration without an evaluation."""
     from .warm import hand_off
@@ -136,8 +137,8 @@ def chain_points(run_root: Path, upto: int, rule: str = "champion") -> list[dict
                         "n": st["all"]["before"]["n"], "ci95": st["all"]["before"]["ci95"],
                         "domain": {g: v["before"] for g, v in st.items() if g != "all"}})
         cum += trained_tokens(d)
-        moved = bool((ev.get("registered") or {}).get("champion_moved"))
-        chosen, _ = hand_off(rule, "student", "warm_start", moved)
+        moved, better = bool((ev.get("registered") or {}).get("champion_moved")), bool((ev.get("decision") or {}).get("better"))
+        chosen, _ = hand_off(rule, "student", "warm_start", moved, better)
         side = "after" if chosen == "student" else "before"
         pts.append({"iteration": it, "policy": chosen, "tokens": cum, "pass@1": st["all"][side]["pass@1"],
                     "k": st["all"][side]["k"], "n": st["all"][side]["n"], "ci95": st["all"][side]["ci95"],
@@ -145,7 +146,7 @@ def chain_points(run_root: Path, upto: int, rule: str = "champion") -> list[dict
     return pts
 
 
-def scaling(run_root: Path, iteration: int, active_params: int, rule: str = "champion", draws: int = 300) -> dict:
+def scaling(run_root: Path, iteration: int, active_params: int, rule: str = "better", draws: int = 300) -> dict:
     """The curve up to `iteration`, the fit on every point so far (when there are enough), its forecast of the next
     iteration, and the check of the forecast made one iteration earlier (the fit on points 0..N−1) against point N."""
     pts = chain_points(run_root, iteration, rule)

@@ -72,18 +72,25 @@ def check_recipe(bc, card: dict | None = None) -> None:
                          "recipe")
 
 
-def hand_off(rule: str, student: str, warm_start: str, champion_moved: bool) -> tuple[str, str]:
-    """The checkpoint iteration N hands to N+1 as its warm start, and why (`hand_off` in the config): under
-    "champion", the student only if it became the champion, else N's own warm start; under "student", the
+def hand_off(rule: str, student: str, warm_start: str, champion_moved: bool, better: bool) -> tuple[str, str]:
+    """The checkpoint iteration N hands to N+1 as its warm start, and why (`hand_off` in the config), from N's
+    validation decision (`stages.decision`): under "better", the student when it was better than its warm start on
+    the validation set (more tasks gained than lost, no domain significantly down); under "champion", the student
+    only when it became the champion (a significant gain); otherwise N's own warm start. Under "student", the
     student."""
     if rule == "student":
         return student, "its student (hand_off: student)"
-    if rule != "champion":
-        raise ValueError(f"hand_off: {rule!r} is not one of 'champion', 'student'")
-    if champion_moved:
+    if rule not in ("better", "champion"):
+        raise ValueError(f"hand_off: {rule!r} is not one of 'better', 'champion', 'student'")
+    if rule == "champion" and champion_moved:
         return student, "its student, the new champion"
-    return warm_start, ("its warm start: its student did not become the champion (no significant gain), so the "
-                        "next iteration retries from the same policy on fresh environments")
+    if rule == "better" and better:
+        return student, ("its student, better than its warm start on the validation set (more tasks gained than "
+                         "lost, no domain significantly down)")
+    why = ("did not become the champion (no significant gain)" if rule == "champion" else
+           "was not better on the validation set (no more tasks gained than lost, or a domain significantly down)")
+    return warm_start, (f"its warm start: its student {why}, so the next iteration retries from the same policy on "
+                        "fresh environments")
 
 
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics,

@@ -45,13 +45,36 @@ def test_the_decision_pairs_student_and_warm_start_on_validation_and_reuses_the_
     assert d["p_value"] == pytest.approx(p) and d["significant"] is (p < 0.05)
     assert d["pass@1_after"] == pytest.approx(12 / 14) and d["pass@1_before"] == pytest.approx(4 / 14)
     assert d["set"] == "validation"
+    assert d["better"] and d["domains_fell"] == []
+
+
+def test_a_student_that_gains_overall_but_loses_a_domain_significantly_is_not_better():
+    # code: 20 gained, 0 lost; math: 0 gained, 8 lost (two-sided p = 2 / 2**8 < 0.05): 20 / 8 overall
+    val = [Spec(f"c{i}", "code") for i in range(20)] + [Spec(f"m{i}", "math") for i in range(8)]
+    student = {**{f"c{i}": 1.0 for i in range(20)}, **{f"m{i}": 0.0 for i in range(8)}}
+    warm = {**{f"c{i}": 0.0 for i in range(20)}, **{f"m{i}": 1.0 for i in range(8)}}
+    d = validation_decision(val, "/s", "/w", {}, _runner({"/s": student, "/w": warm}, []), lambda m: None)
+    assert (d["gained"], d["lost"]) == (20, 8) and d["domains_fell"] == ["math"] and not d["better"]
+    # one math task fewer lost (7 of 7: p = 2 / 2**7 = 0.016) still falls; a loss of 5 of 5 (p = 0.0625) does not
+    for n, falls in ((7, True), (5, False)):
+        v = val[:20] + val[20:20 + n]
+        d = validation_decision(v, "/s", "/w", {}, _runner({"/s": student, "/w": warm}, []), lambda m: None)
+        assert (d["domains_fell"] == ["math"]) is falls and d["better"] is (not falls)
+
+
+def test_a_student_that_gains_no_more_tasks_than_it_loses_is_not_better():
+    val = [Spec(f"t{i}", "code") for i in range(6)]
+    student = {f"t{i}": float(i < 3) for i in range(6)}
+    warm = {f"t{i}": float(i >= 3) for i in range(6)}
+    d = validation_decision(val, "/s", "/w", {}, _runner({"/s": student, "/w": warm}, []), lambda m: None)
+    assert (d["gained"], d["lost"]) == (3, 3) and not d["better"] and not d["significant"]
 
 
 def test_a_student_equal_to_its_warm_start_is_played_once_and_is_no_gain():
     val = [Spec(f"t{i}", "code") for i in range(4)]
     calls: list = []
     d = validation_decision(val, "/c/x", "/c/x", {}, _runner({"/c/x": {s.id: 1.0 for s in val}}, calls), print)
-    assert len(calls) == 1 and d["gained"] == d["lost"] == 0 and not d["significant"]
+    assert len(calls) == 1 and d["gained"] == d["lost"] == 0 and not d["significant"] and not d["better"]
 
 
 def test_only_the_gate_s_outcomes_of_the_same_checkpoint_are_reused(tmp_path):

@@ -107,11 +107,13 @@ def test_two_iterations_lineage_and_mlflow(instance, tmp_path):
     rec1 = recs[1].asset_materialization.metadata
     assert rec1["checkpoint"].value == str(Path(student1).resolve())
     assert rec1["warm_start"].value == str(Path(ws_meta["checkpoint"].value).resolve())
-    # iteration 2 starts from iteration 1's student if it became the champion, else from iteration 1's warm start
+    # iteration 2 starts from iteration 1's student if it was better on validation (`hand_off: better`), else from
+    # iteration 1's warm start
     moved1 = mats["evaluation"].materialization.metadata["champion_moved"].value
-    assert rec1["champion"].value == moved1
-    assert Path(parent).resolve() == Path(student1 if moved1 else ws_meta["checkpoint"].value).resolve()
-    assert ws2.materialization.metadata["hand_off"].value.startswith("its student" if moved1 else "its warm start")
+    better1 = mats["evaluation"].materialization.metadata["result"].value["decision"]["better"]
+    assert rec1["champion"].value == moved1 and rec1["better"].value == better1
+    assert Path(parent).resolve() == Path(student1 if better1 else ws_meta["checkpoint"].value).resolve()
+    assert ws2.materialization.metadata["hand_off"].value.startswith("its student" if better1 else "its warm start")
     assert recs[1].run_id == r1.run_id  # recorded by iteration 1's run (its evaluation)
     # as partition N+1 of `policy` (the partition iteration 2's warm start depends on), naming where it came from
     assert [r.asset_materialization.partition for r in recs] == ["3", "2"]

@@ -54,11 +54,13 @@ def _stats(before: tuple[int, int], after: tuple[int, int]) -> dict:
             "math": {"before": side(before[0] // 2, before[1] // 2), "after": side(after[0] // 2, after[1] // 2)}}
 
 
-def _iteration(root, it: int, before, after, moved: bool, sao_tokens: dict, opd_tokens: int) -> None:
+def _iteration(root, it: int, before, after, moved: bool, sao_tokens: dict, opd_tokens: int,
+               better: bool | None = None) -> None:
     d = root / f"iteration-{it:04d}"
     d.mkdir(parents=True)
     (d / "evaluation.json").write_text(json.dumps({"stats": _stats(before, after),
-                                                   "registered": {"champion_moved": moved}}))
+                                                   "registered": {"champion_moved": moved},
+                                                   "decision": {"better": moved if better is None else better}}))
     (d / "sao_experts.json").write_text(json.dumps({k: {"trained_tokens": v} for k, v in sao_tokens.items()}))
     (d / "opd_student.json").write_text(json.dumps({"trained_tokens": opd_tokens}))
 
@@ -75,6 +77,15 @@ def test_the_chain_follows_the_hand_off_and_sums_the_compute(tmp_path):
     assert [p["policy"] for p in pts] == ["base", "student", "warm_start", "student"]
     assert pts[2]["domain"]["math"]["k"] == 55  # the warm start's per-domain figures, not the student's
     assert [p["policy"] for p in chain_points(tmp_path, 5, rule="student")] == ["base", "student", "student", "student"]
+
+
+def test_the_chain_follows_the_rule_it_is_given(tmp_path):
+    # iteration 1 was better on validation but no champion; iteration 2 the champion but not better
+    _iteration(tmp_path, 1, (80, 240), (90, 240), False, {"code": 10}, 0, better=True)
+    _iteration(tmp_path, 2, (90, 240), (120, 240), True, {"code": 10}, 0, better=False)
+    assert [p["policy"] for p in chain_points(tmp_path, 2, rule="better")] == ["base", "student", "warm_start"]
+    assert [p["policy"] for p in chain_points(tmp_path, 2, rule="champion")] == ["base", "warm_start", "student"]
+    assert [p["k"] for p in chain_points(tmp_path, 2, rule="better")] == [80, 90, 90]
 
 
 def test_the_forecast_made_before_an_iteration_is_checked_against_it(tmp_path):

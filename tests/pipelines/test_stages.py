@@ -191,16 +191,20 @@ def test_patterns_whose_warm_rollouts_all_earned_one_reward_are_left_out(tmp_pat
                           constant={h1: 1.0})
 
 
-def test_hand_off_keeps_a_student_that_did_not_become_the_champion_out_of_the_next_iteration():
-    # "champion" (the default): the student only if it became the champion, else the iteration's own warm start
-    assert configs.load("tiny").hand_off == "champion"
-    assert stages.hand_off("champion", "s", "w", champion_moved=True)[0] == "s"
-    ckpt, why = stages.hand_off("champion", "s", "w", champion_moved=False)
-    assert ckpt == "w" and why.startswith("its warm start")
+def test_hand_off_keeps_a_student_that_did_not_validate_out_of_the_next_iteration():
+    # "better" (the default): the student when it was better on the validation set, whatever the champion did
+    assert configs.load("tiny").hand_off == "better"
+    assert stages.hand_off("better", "s", "w", champion_moved=False, better=True)[0] == "s"
+    ckpt, why = stages.hand_off("better", "s", "w", champion_moved=True, better=False)
+    assert ckpt == "w" and why.startswith("its warm start") and "validation" in why
+    # "champion": the student only if it became the champion, else the iteration's own warm start
+    assert stages.hand_off("champion", "s", "w", champion_moved=True, better=False)[0] == "s"
+    ckpt, why = stages.hand_off("champion", "s", "w", champion_moved=False, better=True)
+    assert ckpt == "w" and why.startswith("its warm start") and "champion" in why
     # "student": the student, whatever it scored
-    assert stages.hand_off("student", "s", "w", champion_moved=False)[0] == "s"
+    assert stages.hand_off("student", "s", "w", champion_moved=False, better=False)[0] == "s"
     with pytest.raises(ValueError, match="hand_off"):
-        stages.hand_off("best", "s", "w", True)
+        stages.hand_off("best", "s", "w", True, True)
     with pytest.raises(configs.ConfigError, match="hand_off"):
         configs.load("tiny", ["hand_off=best"])
 
