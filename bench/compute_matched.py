@@ -27,7 +27,7 @@ def final_policy(run_root: Path, rule: str, student: bool = False) -> tuple[str,
     """(the checkpoint the run root's last evaluated iteration hands off, or with `student` its student whatever the
     champion gate decided; cumulative trained tokens; iterations)."""
     from stages.scaling import chain_points
-    from stages.warm import hand_off
+    from stages.warm import hand_off_of
 
     pts = chain_points(run_root, 10_000, rule)
     if len(pts) < 2:
@@ -36,8 +36,7 @@ def final_policy(run_root: Path, rule: str, student: bool = False) -> tuple[str,
     d = run_root / f"iteration-{last:04d}"
     ev = json.loads((d / "evaluation.json").read_text())
     ws = json.loads((d / "warm_start.json").read_text())["checkpoint"]
-    ckpt, _ = hand_off(rule, ev["student"], ws, bool((ev.get("registered") or {}).get("champion_moved")),
-                       bool((ev.get("decision") or {}).get("better")))
+    ckpt, _ = hand_off_of(rule, ev, ws)
     return (ev["student"] if student else ckpt), pts[-1]["tokens"], last
 
 

@@ -262,8 +262,7 @@ def run_iteration(args, con, instance, run_config: dict) -> tuple[int, str]:
         ev = json.loads((run_dir / "evaluation.json").read_text())
         ws = json.loads((run_dir / "warm_start.json").read_text())["checkpoint"]
         rule = configs.load(args.preset, args.override).hand_off
-        _, why = stages.hand_off(rule, ev["student"], ws, bool(ev.get("registered", {}).get("champion_moved")),
-                                 bool(ev.get("decision", {}).get("better")))
+        _, why = stages.hand_off_of(rule, ev, ws)
         hint = f"again: {cmd} (iteration {int(it) + 1} starts from what iteration {it} hands off: {why.split(':')[0]})"
         _print_curve(run_dir, con)
     else:

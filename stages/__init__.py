@@ -23,12 +23,12 @@ from .evaluating import evaluation
 from .experts import _mismatch_summary, _read_warm, constant_patterns, replay_ids, sao_expert, skip_reason
 from .recorder import Recorder
 from .rollouts import rewards, rollout_batches, trajectory_actions
-from .warm import _rank_checksums, _same_model, check_base, hand_off, resolve_base, warm_start
+from .warm import _rank_checksums, _same_model, check_base, hand_off, hand_off_of, resolve_base, warm_start
 
 __all__ = [
     'ITERATION_SEED_STRIDE', 'ROLLOUT_CHUNK', 'SAO_CURVES', 'WARM_TEACHER', 'WARM_VERSION', '_backend', '_dump',
     '_mismatch_summary', '_no_metrics', '_quiet', '_rank_checksums', '_read_warm', '_same_model',
-    'check_base', 'constant_patterns', 'env_specs', 'evaluation', 'hand_off', 'opd_student', 'replay_ids',
+    'check_base', 'constant_patterns', 'env_specs', 'evaluation', 'hand_off', 'hand_off_of', 'opd_student', 'replay_ids',
     'resolve_base', 'rewards', 'rl_set', 'rollout_batches', 'sao_expert', 'skip_reason', 'taught_domains',
     'teacher_cell', 'teacher_gate', 'trajectory_actions', 'under_torchrun', 'verified_envs', 'warm_start',
     'Recorder',

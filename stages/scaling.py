@@ -121,7 +121,7 @@ def trained_tokens(run_dir: Path) -> int:
 def chain_points(run_root: Path, upto: int, rule: str = "better") -> list[dict]:
     """The curve's points from the run root's iteration directories 1..`upto` (each with `evaluation.json`): point 0
     the base, point N the policy iteration N hands off. Stops at the first iteration without an evaluation."""
-    from .warm import hand_off
+    from .warm import hand_off_of
 
     pts: list[dict] = []
     cum = 0
@@ -137,8 +137,7 @@ def chain_points(run_root: Path, upto: int, rule: str = "better") -> list[dict]:
                         "n": st["all"]["before"]["n"], "ci95": st["all"]["before"]["ci95"],
                         "domain": {g: v["before"] for g, v in st.items() if g != "all"}})
         cum += trained_tokens(d)
-        moved, better = bool((ev.get("registered") or {}).get("champion_moved")), bool((ev.get("decision") or {}).get("better"))
-        chosen, _ = hand_off(rule, "student", "warm_start", moved, better)
+        chosen, _ = hand_off_of(rule, ev, "warm_start", student="student")
         side = "after" if chosen == "student" else "before"
         pts.append({"iteration": it, "policy": chosen, "tokens": cum, "pass@1": st["all"][side]["pass@1"],
                     "k": st["all"][side]["k"], "n": st["all"][side]["n"], "ci95": st["all"][side]["ci95"],

@@ -93,6 +93,14 @@ def hand_off(rule: str, student: str, warm_start: str, champion_moved: bool, bet
                         "fresh environments")
 
 
+def hand_off_of(rule: str, evaluation: dict, warm_start: str, student: str | None = None) -> tuple[str, str]:
+    """`hand_off` on an evaluation's result (`evaluation.json`): its registered champion move and its validation
+    decision's `better` verdict; `student` defaults to the evaluation's own."""
+    return hand_off(rule, evaluation["student"] if student is None else student, warm_start,
+                    bool((evaluation.get("registered") or {}).get("champion_moved")),
+                    bool((evaluation.get("decision") or {}).get("better")))
+
+
 def warm_start(cfg, envs: dict, out: Path, parent_checkpoint: str | None, log=_quiet, metrics=_no_metrics,
                train_backend=None) -> dict:
     """The policy this iteration starts from: what iteration N−1 handed off (`hand_off`), else the shipped base checkpoint
