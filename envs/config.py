@@ -24,6 +24,11 @@ class CurriculumConfig(BaseModel):
     saturated: float = Field(default=0.9, gt=0.0, le=1.0)
     frontier_share: float = Field(default=0.05, ge=0.0, le=0.5)
     min_tasks: int = Field(default=4, ge=1)  # a chosen pattern gets at least this many of the RL set's tasks
+    # a saturated rung keeps this many of the RL set's tasks (0: it gives way entirely). Their warm rollouts (nearly
+    # all successes) carry no outcome signal, so an expert leaves them out of its SAO steps (`sao.constant_pattern_*`)
+    # and, with `sao.replay_coef` > 0, anchors on them: a rung left out of RL is otherwise forgotten while the expert
+    # trains on the rungs above it (tiny, iteration 2: 4-operation chains 0.20 -> 0.35, 2-operation 0.95 -> 0.55)
+    retain_tasks: int = Field(default=0, ge=0)
 
 
 class EnvConfig(BaseModel):
@@ -71,7 +76,8 @@ class EnvConfig(BaseModel):
     @model_validator(mode="after")
     def _curriculum_fits(self) -> EnvConfig:
         """The curriculum can always share the RL set out: every fixed share (frontier_share of the set each) and every
-        signal pattern's min_tasks fit, whatever the probe finds. Refused at launch, naming the key."""
+        signal pattern's min_tasks (or retained rung's retain_tasks) fit, whatever the probe finds. Refused at launch,
+        naming the key."""
         cc = self.curriculum
         if not (cc.enabled and self.n_rl):
             return self
@@ -79,11 +85,11 @@ class EnvConfig(BaseModel):
         if cc.frontier_share * n_pat >= 1:
             raise ValueError(f"envs.curriculum.frontier_share = {cc.frontier_share}: {n_pat} patterns could take "
                              f"{cc.frontier_share * n_pat:.2f} of the RL set; it must be below 1 / {n_pat}")
-        need = cc.min_tasks * n_pat / (1 - cc.frontier_share * n_pat)
+        need = max(cc.min_tasks, cc.retain_tasks) * n_pat / (1 - cc.frontier_share * n_pat)
         if self.n_rl < need - 1e-9:
             raise ValueError(f"envs.n_rl = {self.n_rl} is too small for the curriculum over {n_pat} patterns: at least "
-                             f"{math.ceil(need - 1e-9)} (envs.curriculum.min_tasks = {cc.min_tasks}, frontier_share = "
-                             f"{cc.frontier_share}), or envs.curriculum.enabled = false")
+                             f"{math.ceil(need - 1e-9)} (envs.curriculum.min_tasks = {cc.min_tasks}, retain_tasks = "
+                             f"{cc.retain_tasks}, frontier_share = {cc.frontier_share}), or envs.curriculum.enabled = false")
         return self
 
     @property

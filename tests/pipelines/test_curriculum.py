@@ -44,6 +44,29 @@ def test_the_mix_follows_the_signal_and_saturated_rungs_give_way():
     assert why["a?horizon=1"]["tasks"] == 0 and why["a?horizon=4"]["tasks"] == 0
 
 
+def test_retained_saturated_rungs_keep_their_tasks_out_of_the_signal_budget():
+    ladder = ["a?horizon=1", "a?horizon=2", "a?horizon=3", "a?horizon=4", "b?horizon=1", "b?horizon=2"]
+    figures = {ladder[0]: fig(0.95, 0.02), ladder[1]: fig(0.4, 0.3, 0.6), ladder[2]: fig(0.0, 0.0),
+               ladder[3]: fig(0.0, 0.0), ladder[4]: fig(0.2, 0.1, 0.2), ladder[5]: fig(1.0, 0.0)}
+    cc = CurriculumConfig(enabled=True, frontier_share=0.05, min_tasks=4, retain_tasks=6)
+    mix, why = choose_mix(figures, ladder, 100, cc)
+    assert [why[p]["choice"] for p in ladder] == ["saturated", "signal", "frontier", "out of reach", "signal",
+                                                  "saturated"]
+    # the two saturated rungs keep 6 each; the frontier max(4, 5) = 5; 100 - 12 - 5 = 83 by signal 0.3 : 0.1:
+    # 4 + 75 x 3/4 = 60.25 and 4 + 75 x 1/4 = 22.75 -> 60 and 22, the one left over to the larger remainder (b)
+    assert mix == {"a?horizon=1": 6, "a?horizon=2": 60, "a?horizon=3": 5, "b?horizon=1": 23, "b?horizon=2": 6}
+    assert "retain_tasks" in why["b?horizon=2"]["why"] and why["b?horizon=2"]["tasks"] == 6
+    # off (the default), the same figures give the saturated rungs nothing
+    mix0, _ = choose_mix(figures, ladder, 100, CurriculumConfig(enabled=True, frontier_share=0.05, min_tasks=4))
+    assert "a?horizon=1" not in mix0 and sum(mix0.values()) == 100
+    # with nothing but saturated rungs the fallback's even mix is unchanged: retention only rides beside a signal
+    mix, why = choose_mix({p: fig(1.0, 0.0) for p in ladder[:2]}, ladder[:2], 20, cc)
+    assert mix == {"a?horizon=1": 10, "a?horizon=2": 10} and {w["choice"] for w in why.values()} == {"fallback"}
+    # only frontier rungs besides the retained ones: they share what retention leaves
+    mix, _ = choose_mix({ladder[0]: fig(1.0, 0.0), ladder[1]: fig(0.0, 0.0)}, ladder[:2], 40, cc)
+    assert mix == {"a?horizon=1": 6, "a?horizon=2": 34}
+
+
 def test_the_frontier_is_the_first_unsolved_rung_above_a_reached_one():
     ladder = ["a?horizon=1", "a?horizon=2", "a?horizon=3"]
     cc = CurriculumConfig(enabled=True)
@@ -79,6 +102,10 @@ def test_a_curriculum_that_cannot_share_the_rl_set_out_is_refused_at_launch():
     with pytest.raises(configs.ConfigError, match=r"envs.curriculum.frontier_share = 0.1: 12 patterns"):
         configs.load("tiny", ["envs.curriculum.frontier_share=0.1"])
     configs.load("tiny", ["envs.n_rl=4", "envs.curriculum.enabled=false"])  # off: no constraint
+    # retained rungs count like min_tasks: 8 x 12 / 40% = 240
+    configs.load("tiny", ["envs.curriculum.retain_tasks=8"])
+    with pytest.raises(configs.ConfigError, match=r"envs.n_rl = 239 is too small .* at least 240 .*retain_tasks = 8"):
+        configs.load("tiny", ["envs.n_rl=239", "envs.curriculum.retain_tasks=8"])
     # at the bound, the worst case (every rung fixed but one, the rest at min_tasks) fits exactly
     cc = configs.load("tiny", ["envs.n_rl=120"]).envs.curriculum
     ladder = [f"a?horizon={i}" for i in range(12)]
