@@ -42,7 +42,8 @@ BASE = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-base"
 def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1, overrides: list[str] | None = None
             ) -> tuple[dict, dict]:
     """(envs, {trajectory id: domain}) of the warm start's rollouts on the gated RL set of `iteration`, made once
-    under `work`. `overrides` change the environments themselves (`envs.rl_patterns=[...]`: a curriculum)."""
+    under `work`; the curriculum, when on, probes the warm start (the pipeline's probes what iteration N−1 handed
+    off). `overrides` change the environments themselves (`envs.rl_patterns=[...]`: a curriculum)."""
     from rollout.backend import embedded_servers
 
     cfg = load("tiny", overrides or [])
@@ -55,7 +56,8 @@ def prepare(work: Path, say, warm: Path = BASE, iteration: int = 1, overrides: l
                              "give another --work")
         return d["envs"], d["rollouts"]
     t = time.perf_counter()
-    envs = stages.verified_envs(cfg, stages.env_specs(cfg, work / "envs", iteration), work / "verified")
+    specs = stages.env_specs(cfg, work / "envs", iteration, parent_checkpoint=str(warm))
+    envs = stages.verified_envs(cfg, specs, work / "verified")
     with embedded_servers(cfg.model, n=1, n_slots=cfg.loop.n_slots, max_len=cfg.agent.max_context + 8,
                           seed=cfg.seed) as urls:
         ro = stages.rollout_batches(cfg, str(warm), envs, work / "store.duckdb", iteration, urls)
