@@ -24,10 +24,10 @@ class CurriculumConfig(BaseModel):
     saturated: float = Field(default=0.9, gt=0.0, le=1.0)
     frontier_share: float = Field(default=0.05, ge=0.0, le=0.5)
     min_tasks: int = Field(default=4, ge=1)  # a chosen pattern gets at least this many of the RL set's tasks
-    # a saturated rung keeps this many of the RL set's tasks (0: it gives way entirely). Their warm rollouts (nearly
-    # all successes) carry no outcome signal, so an expert leaves them out of its SAO steps (`sao.constant_pattern_*`)
-    # and, with `sao.replay_coef` > 0, anchors on them: a rung left out of RL is otherwise forgotten while the expert
-    # trains on the rungs above it (tiny, iteration 2: 4-operation chains 0.20 -> 0.35, 2-operation 0.95 -> 0.55)
+    # a saturated rung keeps this many of the RL set's tasks (0: it gives way entirely). Where its warm rollouts earn
+    # one reward (`sao.constant_pattern_min` of them at least, `sao.constant_pattern_share`) an expert leaves it out of
+    # its SAO steps and, with `sao.replay_coef` > 0, anchors on them; otherwise it trains on it like any rung. Against
+    # forgetting a rung that gave way; on tiny it changed nothing measurable (docs: benchmarks, #async-chain)
     retain_tasks: int = Field(default=0, ge=0)
 
 

@@ -8,9 +8,9 @@ each of `probe_tasks` fresh probe tasks of every pattern of the ladder (`envs.rl
 * sampled success s, the share of tasks whose samples both succeed and fail (mixed), and the expected signal: the
   mean over tasks of the unbiased estimate of the task's reward variance, c(k − c) / (k(k − 1)) for c successes in k
   samples (what one rollout per task can learn from, before the critic's baseline);
-* **saturated** (s ≥ `saturated`): it gives way to the next rung, keeping `retain_tasks` tasks (default 0): the
-  experts leave those out of their SAO steps, as their rollouts all succeed, and with `sao.replay_coef` > 0 anchor on
-  them, so the rung is not forgotten;
+* **saturated** (s ≥ `saturated`): it gives way to the next rung, keeping `retain_tasks` tasks (default 0), which an
+  expert whose warm rollouts of them all succeed leaves out of its SAO steps (`constant_patterns`) and, with
+  `sao.replay_coef` > 0, anchors on;
 * **signal**: its share of the RL set is proportional to its signal;
 * **constant per task** (0 < s, no task mixed): `frontier_share`, as the critic can still tell tasks apart;
 * **frontier** (s = 0, the lowest such rung of its family above a rung the policy solves at all): `frontier_share`,
@@ -99,7 +99,7 @@ def choose_mix(figures: dict[str, dict], ladder: list[str], n_rl: int, cc) -> tu
     elif cc.retain_tasks:  # saturated rungs keep a few tasks: the experts' replay anchor against forgetting them
         retained = {p: cc.retain_tasks for p in ladder if why[p]["choice"] == "saturated"}
         for p in retained:
-            why[p]["why"] += f"; keeps {cc.retain_tasks} tasks (retain_tasks), which the experts replay, not train on"
+            why[p]["why"] += f"; keeps {cc.retain_tasks} tasks (retain_tasks) for the experts to replay"
     n_fixed = max(cc.min_tasks, int(cc.frontier_share * n_rl)) if fixed else 0  # (fits: EnvConfig's check)
     if fixed and not weighted:  # only frontier or constant rungs: they share what retention leaves
         n_fixed = (n_rl - sum(retained.values())) // len(fixed)
