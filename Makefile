@@ -101,11 +101,13 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) runs .pytest_cache site
 
-# The cp312 wheels the H200 machine lacks (pydantic and its dependencies, megatron-core), for bench/gpu_run.sh to carry there.
+# The cp312 wheels the GPU machines lack (pydantic and its dependencies, megatron-core), for bench/gpu_run.sh to carry
+# there. Downloaded with this machine's own pip (no venv needed: a fresh checkout runs it as is).
 gpu-wheels:
-	mkdir -p .gpu-wheels && $(BIN)/pip download -q --only-binary=:all: --python-version 3.12 \
+	mkdir -p .gpu-wheels && $(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu-wheels \
 	  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions
 	# megatron-core at the version the CPU suite tests (bench/megatron_gpu.py); its other dependencies are there
-	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-	  -d .gpu-wheels megatron-core==0.16.1
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 -d .gpu-wheels megatron-core==0.16.1
+	@du -sh .gpu-wheels

@@ -72,9 +72,17 @@ class Figures:
         self.file, self.data, self.out = file, {}, None
 
     def to(self, out: str | Path | None) -> None:
+        """Write to `out`; figures already there (an earlier part of the same device call, bench/gpu_run.sh) are kept
+        and added to, section by section."""
+        import json
+
         if out:
             self.out = Path(out)
             self.out.mkdir(parents=True, exist_ok=True)
+            f = self.out / self.file
+            if f.exists():
+                for section, values in json.loads(f.read_text()).items():
+                    self.data.setdefault(section, {}).update(values if isinstance(values, dict) else {})
 
     def run(self, sections: dict[str, Callable[[], object]], names: list[str]) -> None:
         """Run the named sections in order; one that raises records its error and lets the others run (a section's

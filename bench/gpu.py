@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,19 +38,18 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 
 
-from gpu_common import (  # noqa: E402,F401 - one figures file for every section
+from gpu_common import (  # noqa: E402 - one figures file for every section
     FIGURES,
-    PEAK_GBS,
-    PEAK_TFLOPS,
-    RESULTS,
     bench,
     hf_config,
     kernel_mode,
     peak_gib,
     peak_reset,
+    peak_tflops,
     record,
     sync,
     table,
+    use_card,
 )
 from gpu_kernels import section_kernels  # noqa: E402
 
@@ -82,25 +80,41 @@ def decode_fidelity_fp32(hf, ours, dev, smoke: bool) -> None:
     print(f"greedy decode in fp32, {b} × {new} tokens: {res}", flush=True)
 
 
-def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True, decode_check: bool = False):
-    """(transformers model or None, temper model) with the same weights, on dev in dtype. `decode_check`: first
-    compare the two's greedy decode in fp32 (`decode_fidelity_fp32`)."""
+_HF: dict[tuple[str, bool], object] = {}  # (size, smoke) -> the fp32 transformers model, built once a process
+
+
+def _hf_model(size: str, dev, smoke: bool):
+    """transformers' GlmMoeDsaForCausalLM of a bench size in fp32 on dev, initialised there (a 524M model's init on
+    the host takes ~17 s), seeded, built once a process and reused by every section that compares against it."""
     import transformers
     from transformers import GlmMoeDsaForCausalLM
 
-    from model import load_checkpoint
+    if (size, smoke) not in _HF:
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        with torch.device(dev):
+            _HF[(size, smoke)] = GlmMoeDsaForCausalLM(hf_config(size, smoke)).eval()
+    return _HF[(size, smoke)]
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    hf = GlmMoeDsaForCausalLM(hf_config(size, smoke)).eval()
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(d)
-        ours = load_checkpoint(d)
-    ours = ours.to(dev)
+
+def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True, decode_check: bool = False):
+    """(transformers model or None, temper model) with the same weights, on dev in dtype: temper's is converted from
+    the transformers model's state dict in memory (`model_from_hf_tensors`, the checkpoint loader's own mapping; no
+    2 GB save and load). The transformers model is cast for the caller; its fp32 original is kept for the next
+    section. `decode_check`: first compare the two's greedy decode in fp32 (`decode_fidelity_fp32`)."""
+    import json
+
+    from model import ModelConfig
+    from model.checkpoint import model_from_hf_tensors
+
+    hf32 = _hf_model(size, dev, smoke)
+    cfg = ModelConfig.from_hf_dict(json.loads(hf32.config.to_json_string()))
+    state = {k: v.detach().clone() for k, v in hf32.state_dict().items()}  # temper's own copy, not a view of hf's
+    ours = model_from_hf_tensors(cfg, state, dtype=torch.float32, device=dev, source=f"transformers {size}")
+    del state
     if not with_hf:
-        del hf
         return None, ours.to(dtype)  # router, bias, rotary and indexer weights stay fp32
-    hf = hf.to(dev)
+    hf = hf32
     if dev.type == "cuda" and not smoke:  # fidelity on the GPU in fp32, before the cast
         ids = torch.randint(0, hf.config.vocab_size, (1, 1024), device=dev, generator=torch.Generator(dev).manual_seed(7))
         with torch.no_grad():
@@ -111,7 +125,18 @@ def build_pair(size: str, dev, dtype, smoke: bool, with_hf: bool = True, decode_
         del a, b
     if decode_check:
         decode_fidelity_fp32(hf, ours, dev, smoke)
-    return hf.to(dtype), ours.to(dtype)
+    import copy
+
+    return copy.deepcopy(hf).to(dtype), ours.to(dtype)
+
+
+def _held_by_others(dev, model) -> float:
+    """GiB allocated on dev besides `model`'s own weights (the other models a process keeps for later sections): what
+    a peak measured now includes but the model alone would not."""
+    if dev.type != "cuda":
+        return 0.0
+    own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return (torch.cuda.memory_allocated(dev) - own) / 2**30
 
 
 def active_params(model) -> int:
@@ -169,31 +194,33 @@ def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
         n = b * t
         res = {"total_params": n_tot, "active_params": n_act}
 
+        held = _held_by_others(dev, ours)  # the transformers models kept for later sections: not temper's peak
         peak_reset(dev)
         res["temper_fwd_s"] = bench(_fwd, dev, ours, ids, repeat=3, warmup=1)
         peak_reset(dev)
         res["temper_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
-        res["temper_fwdbwd_peak_gib"] = peak_gib(dev)
+        res["temper_fwdbwd_peak_gib"] = peak_gib(dev) - held
         res["temper_fwdbwd_saved_gib_counted"] = counted_saved_gib(ours, ids)  # the CPU's count, beside the peak
         ours.activation_checkpointing = True  # trainer.activation_checkpointing: each layer recomputed in backward
         peak_reset(dev)
         res["temper_ckpt_fwdbwd_s"] = bench(_fwd_bwd, dev, ours, ids, repeat=3, warmup=1)
-        res["temper_ckpt_fwdbwd_peak_gib"] = peak_gib(dev)
+        res["temper_ckpt_fwdbwd_peak_gib"] = peak_gib(dev) - held
         ours.activation_checkpointing = False
         if hf is not None:
             with torch.no_grad():
                 lo, lh = _logits(ours(ids[:1, :256])).float(), _logits(hf(ids[:1, :256])).float()
             res["max_abs_logit_diff_vs_hf"] = (lo - lh).abs().max().item()
+            held = _held_by_others(dev, hf)
             peak_reset(dev)
             res["hf_fwd_s"] = bench(_fwd, dev, hf, ids, repeat=3, warmup=1)
             peak_reset(dev)
             res["hf_fwdbwd_s"] = bench(_fwd_bwd, dev, hf, ids, repeat=3, warmup=1)
-            res["hf_fwdbwd_peak_gib"] = peak_gib(dev)
+            res["hf_fwdbwd_peak_gib"] = peak_gib(dev) - held
         for k in ("fwd", "fwdbwd", "ckpt_fwdbwd"):
             flops = (2 if k == "fwd" else 6) * n_act * n  # checkpointing's recompute is not counted as useful work
             tok = n / res[f"temper_{k}_s"]
             res[f"temper_{k}_tok_s"] = tok
-            res[f"temper_{k}_mfu"] = flops / res[f"temper_{k}_s"] / (PEAK_TFLOPS * 1e12)
+            res[f"temper_{k}_mfu"] = flops / res[f"temper_{k}_s"] / (peak_tflops() * 1e12)
             hf_k = "fwdbwd" if k == "ckpt_fwdbwd" else k
             hf_tok = n / res[f"hf_{hf_k}_s"] if f"hf_{hf_k}_s" in res else float("nan")
             peak = res.get(f"temper_{k}_peak_gib", float("nan"))
@@ -202,6 +229,8 @@ def section_model(dev, dtype, smoke: bool, sizes: list[str]) -> None:
                          f"{100 * res[f'temper_{k}_mfu']:.1f}%", f"{peak:.1f}", f"{hf_peak:.1f}"])
         record("model", size, res)
         hf = ours = None
+        if size == "2B":
+            _HF.pop((size, smoke), None)  # 8 GB in fp32, wanted by no later section
         peak_reset(dev)
     table(f"model tokens/s, B={b}, T={t}, {dtype} (ckpt_fwdbwd: with activation checkpointing)",
           ["config", "pass", "transformers", "temper", "ratio", "temper MFU", "temper peak GiB", "transformers peak GiB"],
@@ -299,7 +328,9 @@ def section_profile(dev, dtype, smoke: bool) -> None:
 
 # ---- 4. parity -----------------------------------------------------------------------------------------------
 def section_parity(dev, smoke: bool) -> None:
-    """Train a tiny model briefly on the CPU (fp32), then compare its logits: GPU bf16 / GPU fp32 vs CPU fp32."""
+    """Train a tiny model briefly in fp32 on the device (200 steps: ~80 s on a host CPU, a few seconds on a GPU), then
+    compare its logits on the device in bf16 and fp32 (the Triton kernels) with the same weights on the CPU in fp32
+    (the torch references)."""
     import copy
 
     import yaml
@@ -309,18 +340,18 @@ def section_parity(dev, smoke: bool) -> None:
     root = Path(__file__).resolve().parents[1]
     cfg = ModelConfig(**yaml.safe_load((root / "configs/presets/tiny.yaml").read_text())["model"])
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     steps = 20 if smoke else 200
     for _ in range(steps):  # a copy task: the second half repeats the first
         half = torch.randint(1, 200, (8, 48), generator=g)
-        ids = torch.cat([half, half], 1)
+        ids = torch.cat([half, half], 1).to(dev)
         loss = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
+    model = model.cpu().eval()
     half = torch.randint(1, 200, (4, 48), generator=torch.Generator().manual_seed(99))
     ids = torch.cat([half, half], 1)  # T = 96 > index_topk 64: the sparse paths run
     with torch.no_grad(), kernel_mode("reference"):
@@ -356,7 +387,7 @@ def main() -> None:
     if dev.type != "cuda" and not args.smoke:
         sys.exit("bench/gpu.py needs a CUDA device (use --smoke to check it on the CPU)")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    record("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    record("env", "device", use_card(dev))
     record("env", "torch", torch.__version__)
     FIGURES.run({"kernels": lambda: section_kernels(dev, dtype, args.smoke),
                  "model": lambda: section_model(dev, dtype, args.smoke, args.model_sizes),

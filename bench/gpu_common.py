@@ -18,12 +18,50 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from common import Figures, md_table  # noqa: E402
 
-PEAK_TFLOPS = 989.0  # H200 dense bf16
-PEAK_GBS = 4800.0  # H200 HBM3e
+# Dense bf16 TFLOP/s and HBM GB/s of the cards a device call may get (public spec sheets; the peaks every "% of peak"
+# divides by). `use_card` picks the row of the card that ran, by its CUDA name; a card not listed gets NaN peaks and
+# says so, never another card's numbers.
+CARDS = {
+    "H100 PCIe": (756.0, 2000.0),
+    "H100 NVL": (835.0, 3900.0),
+    "H100": (989.0, 3350.0),  # SXM, HBM3 (what "NVIDIA H100 80GB HBM3" names)
+    "H200": (989.0, 4800.0),  # HBM3e
+}
+CARD = {"name": "cpu", "tflops": float("nan"), "gbs": float("nan")}
 FIGURES = Figures("gpu.json")
 RESULTS = FIGURES.data
 record = FIGURES.record
-table = md_table
+
+
+def card_peaks(name: str) -> tuple[float, float]:
+    """(dense bf16 TFLOP/s, HBM GB/s) of the card a CUDA device name names: the most specific row of CARDS it
+    contains (an "H100 PCIe" is not an SXM H100); (nan, nan) for a card not listed."""
+    for key in sorted(CARDS, key=len, reverse=True):
+        if key in name:
+            return CARDS[key]
+    return float("nan"), float("nan")
+
+
+def use_card(dev: torch.device, figures: Figures = FIGURES) -> str:
+    """Name the card every figure of this process belongs to, and take its peaks (recorded under env in `figures`)."""
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    tflops, gbs = card_peaks(name)
+    CARD.update(name=name, tflops=tflops, gbs=gbs)
+    figures.record("env", "card", {"name": name, "peak_bf16_tflops": tflops, "peak_hbm_gbs": gbs})
+    return name
+
+
+def peak_tflops() -> float:
+    return CARD["tflops"]
+
+
+def peak_gbs() -> float:
+    return CARD["gbs"]
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    """md_table with the card that ran in the title: a figure pasted anywhere says which card gave it."""
+    md_table(f"{title} [{CARD['name']}]", header, rows)
 
 
 def sync(dev: torch.device) -> None:

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import Figures, md_table  # noqa: E402
+from common import Figures  # noqa: E402
+from gpu_common import table, use_card  # noqa: E402 - tables that name the card
 
 FIGURES = Figures("megatron.json")
 RESULTS = FIGURES.data
 record = FIGURES.record
-table = md_table
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -302,7 +302,7 @@ def main() -> None:
         sys.exit("bench/megatron_gpu.py needs a CUDA device (use --smoke to check it on the CPU)")
     import megatron.core
 
-    record("env", "device", torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    record("env", "device", use_card(dev, FIGURES))
     record("env", "torch", torch.__version__)
     record("env", "megatron_core", getattr(megatron.core, "__version__", "?"))
     fns = {"parity": section_parity, "sao": section_sao, "tp2": section_tp2, "speed": section_speed}

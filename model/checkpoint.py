@@ -358,6 +358,14 @@ def load_checkpoint(
     for name in [n for n in tensors if n.endswith("_scale_inv")]:
         wname = name.removesuffix("_scale_inv")
         tensors[wname] = dequantize_fp8(tensors[wname], tensors.pop(name), block)
+    return model_from_hf_tensors(cfg, tensors, dtype=dtype, device=device, source=str(path))
+
+
+def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                          device: str | torch.device = "cpu", source: str = "tensors") -> Transformer:
+    """A `Transformer` of `cfg` from HF-named tensors (a checkpoint's files, or a transformers model's state dict
+    held in memory): the names and shapes checked against the config, the router's gate and bias kept in fp32, the
+    rest cast to `dtype` on `device`. `source` names the tensors in errors."""
     sd = from_hf_state(cfg, tensors)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -366,11 +374,11 @@ def load_checkpoint(
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise KeyError(
-            f"{path}: checkpoint does not match config: missing {missing[:10]}, unexpected {unexpected[:10]}"
+            f"{source}: checkpoint does not match config: missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
     for name, ref in expected.items():
         if name in sd and tuple(sd[name].shape) != tuple(ref.shape):
-            raise ValueError(f"{path}: {name} has shape {tuple(sd[name].shape)}, config implies {tuple(ref.shape)}")
+            raise ValueError(f"{source}: {name} has shape {tuple(sd[name].shape)}, config implies {tuple(ref.shape)}")
     sd = {k: v.to(device, torch.float32 if k.endswith(("gate.weight", "e_score_correction_bias")) else dtype)
           for k, v in sd.items()}
     model.load_state_dict(sd, strict=False, assign=True)

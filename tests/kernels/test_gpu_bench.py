@@ -117,3 +117,63 @@ def test_activation_memory_bench_runs_and_chunks_keep_less():
     assert len(rows) == 2, r.stdout
     for _, _, whole, chunked, *_ in rows:
         assert 0 < float(chunked) < float(whole)
+
+
+def test_card_peaks_are_the_card_that_ran():
+    """Every '% of peak' divides by the card that ran: an SXM H100's HBM is 3,350 GB/s, not the H200's 4,800; a PCIe
+    H100 is not an SXM one; a card not listed gets no peak rather than another card's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import math
+
+    from gpu_common import card_peaks
+
+    assert card_peaks("NVIDIA H100 80GB HBM3") == (989.0, 3350.0)
+    assert card_peaks("NVIDIA H200") == (989.0, 4800.0)
+    assert card_peaks("NVIDIA H100 PCIe") == (756.0, 2000.0)
+    assert all(math.isnan(x) for x in card_peaks("NVIDIA A100-SXM4-80GB"))
+
+
+def test_figures_of_one_call_accumulate_across_its_parts(tmp_path):
+    """bench/gpu_run.sh runs bench/gpu.py once per part into one gpu.json: a later part adds its sections and keeps
+    the earlier part's (a part that started fresh would erase the kernel rows the decode part follows)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import Figures
+
+    first = Figures("gpu.json")
+    first.to(tmp_path)
+    first.record("kernels", "sparse MLA forward", {"triton_ms": 1.5})
+    first.record("seconds", "kernels", 10.0)
+    second = Figures("gpu.json")
+    second.to(tmp_path)
+    second.record("decode", "batch1", {"temper_eager_tok_s": 7.0})
+    second.record("seconds", "decode", 3.0)
+    got = json.loads((tmp_path / "gpu.json").read_text())
+    assert got == {"kernels": {"sparse MLA forward": {"triton_ms": 1.5}}, "decode": {"batch1": {"temper_eager_tok_s": 7.0}},
+                   "seconds": {"kernels": 10.0, "decode": 3.0}}
+
+
+def test_device_call_cuts_a_part_at_the_deadline_and_keeps_what_came_before(tmp_path):
+    """bench/gpu_run.sh's `part` under a 6 s call deadline: a part that ends runs whole; one that would outlast the
+    deadline (a 120 s cap, a 60 s sleep) is cut when the deadline comes, exit 124, keeping what it wrote; a part after
+    the deadline is skipped and says so; every part's log is in logs.tgz, tarred after each part."""
+    import tarfile
+
+    script = f"""
+        GPU_RUN_LIB=1 source {ROOT / 'bench/gpu_run.sh'}
+        set +e; SECONDS=0; DEADLINE=6
+        part first 30 bash -c 'echo first wrote > "$OUT/first.txt"'
+        part slow 120 bash -c 'echo slow started > "$OUT/slow.txt"; sleep 60; echo never > "$OUT/slow.txt"'
+        part last 30 bash -c 'echo never > "$OUT/last.txt"'
+    """
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    parts = (tmp_path / "parts.txt").read_text().splitlines()
+    assert parts[0].startswith("first: 6 s cap") and parts[0].endswith("exit 0"), parts  # the cap: what was left
+    assert parts[1].startswith("slow: ") and parts[1].endswith("exit 124 (cut at its cap)"), parts
+    assert int(parts[1].split(": ")[1].split(" s cap")[0]) <= 6, parts  # its cap was what was left of the deadline
+    assert parts[2] == "last: skipped, the call's deadline is reached", parts
+    assert (tmp_path / "first.txt").read_text() == "first wrote\n" and (tmp_path / "slow.txt").read_text() == (
+        "slow started\n") and not (tmp_path / "last.txt").exists()
+    with tarfile.open(tmp_path / "logs.tgz") as t:
+        assert {Path(n).name for n in t.getnames() if n.endswith(".log")} == {"first.log", "slow.log"}
