@@ -10,6 +10,7 @@ import contextlib
 import enum
 import functools
 import json
+import os
 import types
 import typing
 from collections.abc import Iterator
@@ -117,8 +118,12 @@ class TemperResource(dg.ConfigurableResource):
         return self.preset.value if isinstance(self.preset, enum.Enum) else str(self.preset)
 
     def config(self):
+        """The resolved IterationConfig. Also puts torch.compile's on-disk cache (the engines' compiled decode step,
+        rollout/compiled.py) under the run root, unless TORCHINDUCTOR_CACHE_DIR names one already: a later stage or
+        iteration loads the compiled code instead of compiling it again."""
         import configs
 
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.root() / "compile-cache"))
         return configs.load(self.preset_name, self.all_overrides())
 
     def root(self) -> Path:

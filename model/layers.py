@@ -32,7 +32,10 @@ _replaying = contextvars.ContextVar("temper_replaying", default=False)
 def replaying() -> bool:
     """True while a checkpointed layer is recomputed in backward (`Transformer.activation_checkpointing`): code with
     side effects (the MoE's load counts, the indexer statistics a forward collects) skips them, so the replay
-    recomputes the saved tensors and changes nothing else."""
+    recomputes the saved tensors and changes nothing else. A compiled region (the engine's compiled decode step, no
+    autograd) is never a replay, and dynamo cannot trace a ContextVar read."""
+    if torch.compiler.is_compiling():
+        return False
     return _replaying.get()
 
 

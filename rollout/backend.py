@@ -145,11 +145,12 @@ class InProcessBackend:
 
     kind = "in-process"
 
-    def __init__(self, model, tok, n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process"):
+    def __init__(self, model, tok, n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process",
+                 compile_decode: bool = False):
         from .engine import Engine
 
         self.engine = Engine(copy.deepcopy(model).eval(), tok, n_slots=n_slots, max_len=max_len,
-                             policy_version=version, name=name)
+                             policy_version=version, name=name, compile_decode=compile_decode)
         self.version = version
 
     @contextlib.asynccontextmanager
@@ -327,15 +328,18 @@ class ServerBackend:
 
 
 def make_backend(model, tok, *, urls: list[str] | None = None, router_url: str = "", sync_dir: str | Path | None = None,
-                 n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process"):
-    """`ServerBackend` over `urls` (the model is pushed to them as `version`), else an `InProcessBackend`."""
+                 n_slots: int = 8, max_len: int = 2048, version: int = 0, name: str = "in-process",
+                 compile_decode: bool = False):
+    """`ServerBackend` over `urls` (the model is pushed to them as `version`), else an `InProcessBackend`
+    (`compile_decode`: its engine's decode step compiled, rollout/compiled.py)."""
     if urls:
         if sync_dir is None:
             raise ValueError("a server rollout backend needs sync_dir (where pushed checkpoints are written)")
         b = ServerBackend(urls, sync_dir, router_url=router_url)
         b.push(model, version)
         return b
-    return InProcessBackend(model, tok, n_slots=n_slots, max_len=max_len, version=version, name=name)
+    return InProcessBackend(model, tok, n_slots=n_slots, max_len=max_len, version=version, name=name,
+                            compile_decode=compile_decode)
 
 
 class ServerTeacherPool:

@@ -46,6 +46,7 @@ from model import KVCache, Transformer, load_checkpoint, read_checkpoint_meta, t
 from model.checkpoint import verify_checkpoint
 from model.tokenizer import ByteTokenizer, Tokenizer
 
+from .compiled import CompiledDecode
 from .graphs import SYNC_WARNING, DecodeGraphs, syncs_in  # noqa: F401 - re-exported (split out of this module)
 from .requests import EngineStats, GenRequest, is_scoring
 from .sampling import sample
@@ -77,6 +78,7 @@ class Engine(SpeculativeDecoding):
         name: str = "embedded",
         cuda_graphs: bool = False,
         session_grace: float = 0.25,
+        compile_decode: bool = False,
     ):
         self.model = model.eval()
         self.cfg = model.config
@@ -92,9 +94,13 @@ class Engine(SpeculativeDecoding):
         if cuda_graphs and (dev.type != "cuda" or spec_drafts):
             log.warning("cuda_graphs needs a CUDA model and plain decoding (no spec_drafts): running eagerly")
             cuda_graphs = False
-        # with graphs, one spare slot (never handed out) takes the rows that pad a batch up to its bucket
-        self.cache = KVCache(self.cfg, n_slots + int(cuda_graphs), max_len, dtype=dt, device=dev)
+        if compile_decode and (cuda_graphs or spec_drafts):
+            log.warning("compile_decode is for plain decoding without CUDA graphs: running without it")
+            compile_decode = False
+        spare = int(cuda_graphs or compile_decode)  # a spare slot (never handed out) takes the rows that pad a batch
+        self.cache = KVCache(self.cfg, n_slots + spare, max_len, dtype=dt, device=dev)
         self.graphs = DecodeGraphs(model, self.cache, n_slots, self.stats) if cuda_graphs else None
+        self.compiled = CompiledDecode(model, self.cache, self.stats) if compile_decode else None
         self.version = policy_version
         self.name = name
         self.waiting: list[GenRequest] = []
@@ -469,6 +475,8 @@ class Engine(SpeculativeDecoding):
         logits = None
         if self.graphs is not None and not chunked and width == 1:  # the engine's own bound on the keys: no sync
             logits = self.graphs.run(ids, slots, max(r.cached + n for r, n in zip(reqs, n_new)))
+        elif self.compiled is not None and not chunked and width == 1:
+            logits = self.compiled.run(ids, slots, max(r.cached + n for r, n in zip(reqs, n_new)))
         if logits is None:
             out = self.model.run(ids, cache=self.cache, slots=slots, n_new=self._t(n_new))
             logits = out.logits

@@ -62,6 +62,9 @@ class EngineStats:
     aborted: int = 0  # requests ended by an abort (a client's, a disconnect, abort_all)
     cuda_graphs: str = "off"  # "on", or "fallback: <why>" when the decode forward could not be captured
     graph_replays: int = 0
+    compiled: str = "off"  # the compiled CPU decode step (rollout/compiled.py): "on", or "fallback: <why>"
+    compiled_steps: int = 0
+    compile_seconds: float = 0.0  # first runs of each compiled variant: tracing, and C++ compiling unless cached
 
     @property
     def accept_length(self) -> float:

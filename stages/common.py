@@ -65,7 +65,8 @@ def _backend(cfg, model, tok, out: Path, urls: list[str] | None, router_url: str
     from rollout.backend import make_backend
 
     return make_backend(model, tok, urls=urls, router_url=router_url, sync_dir=out / "sync", n_slots=cfg.loop.n_slots,
-                        max_len=cfg.agent.max_context + 8, version=version, name=name)
+                        max_len=cfg.agent.max_context + 8, version=version, name=name,
+                        compile_decode=cfg.loop.compile_decode)
 
 
 ITERATION_SEED_STRIDE = 7_919

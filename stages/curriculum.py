@@ -35,7 +35,8 @@ def sample_rewards(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16, 
     from rollout.agent import Agent, run_episodes
     from rollout.backend import InProcessBackend
 
-    backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.agent.max_context + 8)
+    backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.agent.max_context + 8,
+                               compile_decode=cfg.loop.compile_decode)
 
     async def go():
         async with backend.session() as policy:

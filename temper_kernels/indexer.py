@@ -101,6 +101,8 @@ def indexer_topk_reference(q, w, k, qpos, topk: int, fp8: bool = False, relu: bo
         q, k = q.float(), k.float()
     kpos = torch.arange(s, device=k.device)
     step = max(1, CHUNK_ELEMS // max(1, q.shape[2] * s * b))
+    if t == 1:  # one query (a decode step): one chunk, and no guard on the chunk size when compiled
+        step = 1
     out = []
     for t0 in range(0, t, step):
         sc = scores_reference(q[:, t0 : t0 + step], w[:, t0 : t0 + step], k, relu)

@@ -127,6 +127,10 @@ class LoopConfig(BaseModel):
     bound_admission: bool = True
     group_size: int = Field(default=1, gt=0)  # sync GRPO: rollouts per prompt
     n_slots: int = Field(default=8, gt=0)  # engine slots (sequences decoded together) of each rollout worker
+    # the in-process engines' decode step compiled by torch.compile (rollout/compiled.py): fused C++ loops instead of
+    # a few hundred small ops a step on a CPU; two compiles a process (cached on disk under the run root), the
+    # recorded log-probs unchanged (they come from the engine's rescoring forward). Off: eager decode
+    compile_decode: bool = False
     # episodes in flight in the one-shot batches: the warm start's rollouts and the held-out evaluation. Nothing
     # trains while they run, so no staleness to bound: as many as the engine has slots (its batched decode
     # amortises the weights, and the agents' sandbox calls overlap it). The RL loop keeps `in_flight`

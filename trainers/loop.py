@@ -88,7 +88,8 @@ class RLLoop:
         served = self.dp.export(actor) if backend is None or self.dp.sharded_state else None  # sharded: every rank
         if self.dp.is_main:
             self.backend = backend or InProcessBackend(served, tok, n_slots=self.cfg.n_slots,
-                                                       max_len=agent_cfg.max_context + 8, version=version)
+                                                       max_len=agent_cfg.max_context + 8, version=version,
+                                                       compile_decode=self.cfg.compile_decode)
         else:
             self.backend = None  # the trainer ranks other than 0 never talk to engines
         self.on_trajectory = on_trajectory
