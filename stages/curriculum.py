@@ -40,7 +40,7 @@ def sample_rewards(model, specs: list, k: int, cfg, tok, sb, n_slots: int = 16, 
 
     async def go():
         async with backend.session() as policy:
-            agent = Agent(policy, tok, sb, cfg.agent)
+            agent = Agent(policy, tok, sb, cfg.agent.model_copy(update={"rescore": False}))  # only rewards are read
             return await run_episodes(agent, [s for s in specs for _ in range(k)], concurrency=n_slots,
                                       on_done=on_done)
 

@@ -99,14 +99,16 @@ def evaluate(model: Transformer | None, specs: list[TaskSpec], tok: Tokenizer, s
              n_slots: int = 8, concurrency: int = 8, backend=None, on_done=None) -> dict:
     """Greedy pass@1 per family and per domain (plus the trajectories, for inspection). The episodes run on
     `backend` (a RolloutBackend already serving the policy: servers by URL), else on an in-process engine
-    over `model`. `on_done(trajectory)` is called as each episode finishes (a progress bar)."""
+    over `model`. `on_done(trajectory)` is called as each episode finishes (a progress bar). Segments are not
+    rescored (`AgentConfig.rescore`): no trainer reads an evaluation's log-probs, and the scoring forward was about
+    half of an evaluation's engine time (bench/iteration_profile.py)."""
     own = backend is None
     if own:
         backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8)
 
     async def go():
         async with backend.session() as policy:
-            agent = Agent(policy, tok, sandbox, cfg.model_copy(update={"temperature": 0.0}))
+            agent = Agent(policy, tok, sandbox, cfg.model_copy(update={"temperature": 0.0, "rescore": False}))
             return await run_episodes(agent, specs, concurrency=concurrency, on_done=on_done)
 
     try:

@@ -123,3 +123,41 @@ def test_rescoring_replaces_only_the_scoring_versions_tokens():
     off = _Scorer(exact=True, version=3)
     assert asyncio.run(Agent(off, TOK, make_sandbox(), AgentConfig(rescore=False))._close(segment(), 1, "s")).logprobs \
         == [0.0, 0.0, 0.0, -0.3, -0.4, 0.0, -0.6, -0.7] and off.calls == 0
+
+
+def test_greedy_evaluation_does_not_rescore(actor, monkeypatch):
+    """`trainers.sft.evaluate` (held-out and validation play) and the curriculum's probes read rewards, never
+    log-probs: their segments are not rescored (a scoring forward per segment was about half of an evaluation's
+    engine time). The engine sees no scoring request; the same play with rescoring on does."""
+    from rollout.engine import Engine as RealEngine
+    from stages.curriculum import sample_rewards
+    from trainers.sft import evaluate
+
+    engines = []
+
+    class Counting(RealEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.scored = 0
+            engines.append(self)
+
+        def _score(self, r):
+            self.scored += 1
+            super()._score(r)
+
+    monkeypatch.setattr("rollout.engine.Engine", Counting)
+    cfg = AgentConfig(system_prompt="Use tools.", max_context=384, max_action_tokens=12, max_total_tokens=24,
+                      max_obs_tokens=32, compact_margin=0, seed=5)
+    specs = generate(["kv-lookup"], 3, seed=11)
+    ev = evaluate(actor, specs, TOK, make_sandbox(), cfg, n_slots=4, concurrency=3)
+    assert len(ev["trajectories"]) == 3 and engines[-1].scored == 0
+    full = configs.load("micro", ["agent.max_context=384", "agent.max_action_tokens=12", "agent.max_total_tokens=24",
+                                  "agent.max_obs_tokens=32", "agent.compact_margin=0"])
+    sample_rewards(actor, specs, 1, full, TOK, make_sandbox(), n_slots=4)
+    assert engines[-1].scored == 0
+    control = Counting(actor, TOK, n_slots=4, max_len=400)  # the control: a rescoring agent's scores are counted
+    try:
+        asyncio.run(run_episodes(Agent(EnginePolicy(control), TOK, make_sandbox(), cfg), specs, concurrency=3))
+    finally:
+        control.shutdown()
+    assert control.scored > 0
