@@ -123,7 +123,8 @@ class TemperResource(dg.ConfigurableResource):
         iteration loads the compiled code instead of compiling it again."""
         import configs
 
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.root() / "compile-cache"))
+        root = Path(self.run_root).expanduser().resolve()  # (not made here: a refused launch leaves no run root)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "compile-cache"))
         return configs.load(self.preset_name, self.all_overrides())
 
     def root(self) -> Path:

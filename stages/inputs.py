@@ -24,7 +24,7 @@ from pathlib import Path
 # tests/pipelines/test_inputs.py) plus what the asset body reads (the served engines: model, loop.n_slots,
 # agent.max_context, seed; rewards' envs.mine_every; env_specs' and warm_start's hand_off). A section covers all its leaves.
 CONFIG_READS: dict[str, tuple[str, ...]] = {
-    "env_specs": ("agent", "base", "envs", "hand_off", "loop.batch_in_flight"),  # the curriculum samples a policy
+    "env_specs": ("agent", "base", "envs", "hand_off", "loop.batch_in_flight", "loop.compile_decode"),  # (probes)
     "verified_envs": ("envs.probe_every", "envs.probes", "envs.sandbox", "envs.validate_workers",
                       "loop.max_crashed_share"),
     "warm_start": ("agent", "base", "envs.sandbox", "hand_off", "loop.save_every", "model", "seed", "train", "trainer"),
@@ -32,8 +32,9 @@ CONFIG_READS: dict[str, tuple[str, ...]] = {
                         "model", "seed"),
     "rewards": ("envs.mine_every",),
     "sao_experts": ("agent", "envs.sandbox", "loop", "model", "sao", "seed", "trainer"),
-    "opd_student": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.batch_size", "loop.in_flight",
-                    "loop.max_crashed_share", "loop.n_slots", "loop.save_every", "model", "opd", "seed", "trainer"),
+    "opd_student": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.batch_size", "loop.compile_decode",
+                    "loop.in_flight", "loop.max_crashed_share", "loop.n_slots", "loop.save_every", "model", "opd", "seed",
+                    "trainer"),
     "evaluation": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.max_crashed_share", "loop.n_slots", "model",
                    "seed"),
 }
