@@ -33,29 +33,24 @@ import torch
 
 from model import KVCache, Transformer
 
+from .graphs import bounded_decode
+
 if TYPE_CHECKING:
     from .engine import EngineStats
 
 log = logging.getLogger(__name__)
 
 
-def _decode(model: Transformer, cache: KVCache, ids: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor,
-            n_keys: int, pad: int) -> torch.Tensor:
-    """One decode step of ids [B, 1] into `slots`, at most `n_keys` keys a row; the spare slot `pad` forgotten."""
-    logits = model.run(ids, cache=cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
-    cache.lengths.narrow(0, pad, 1).zero_()
-    return logits
-
-
 _compiled = None
 
 
 def compiled_decode():
-    """The one compiled `_decode` of this process (its graphs serve every engine of the same model config: the
-    model and cache are inputs, guarded by their tensors' shapes and dtypes)."""
+    """The one compiled `bounded_decode` (rollout/graphs.py: the step the CUDA graphs capture) of this process. Its
+    graphs serve every engine of the same model config: the model and cache are inputs, guarded by their tensors'
+    shapes and dtypes."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_decode, dynamic=True, fullgraph=True)
+        _compiled = torch.compile(bounded_decode, dynamic=True, fullgraph=True)
     return _compiled
 
 

@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
 
 
+def bounded_decode(model: Transformer, cache: KVCache, ids: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor,
+                   n_keys: int, pad: int) -> torch.Tensor:
+    """One decode step with the engine's own bound on the keys (`Transformer.run(n_keys=...)`: no host sync), then
+    the padding slot's length reset in place on the device (`lengths[pad] = 0` would copy a host scalar in: a
+    synchronous copy, which a capture refuses): the padding rows' token is forgotten. What a captured CUDA graph
+    replays and what `torch.compile` compiles (rollout/compiled.py)."""
+    logits = model.run(ids, cache=cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
+    cache.lengths.narrow(0, pad, 1).zero_()
+    return logits
+
+
 def syncs_in(fn) -> list[str]:
     """Run `fn`; return the `file:line`s where it (this thread) raised the sync-debug warning. Warnings from other
     threads in the meantime (an in-process trainer, say) are neither counted nor swallowed: they reach the handler
@@ -100,11 +111,8 @@ class DecodeGraphs:
         return s_logits[:b]
 
     def step(self, ids: torch.Tensor, slots: torch.Tensor, n_new: torch.Tensor, n_keys: int) -> torch.Tensor:
-        """The captured decode step: the bounded forward, then the padding slot's length reset in place on the
-        device (`lengths[pad] = 0` would copy a host scalar in: a synchronous copy, which a capture refuses)."""
-        logits = self.model.run(ids, cache=self.cache, slots=slots, n_new=n_new, n_keys=n_keys).logits
-        self.cache.lengths.narrow(0, self.pad, 1).zero_()  # the padding rows' token is forgotten
-        return logits
+        """The captured decode step (`bounded_decode`)."""
+        return bounded_decode(self.model, self.cache, ids, slots, n_new, n_keys, self.pad)
 
     def _capture(self, size: int, n_keys: int) -> tuple:
         dev = self.cache.lengths.device

@@ -117,7 +117,7 @@ def moe_experts_dense(x, idx, w, gate_up, down) -> torch.Tensor:
     [N, E] matrix of the routing weights (exact zeros off the selection). E/k times the expert FLOPs, no host sync and
     no data-dependent shape: what a compiled (`torch.compile`) decode step runs, where a handful of tokens make the
     extra FLOPs cheaper than the loop's per-expert ops. Equal to the loop up to the GEMMs' rounding."""
-    n, k = idx.shape
+    n = idx.shape[0]
     e, two_i, h = gate_up.shape
     dense = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter_add_(1, idx, w.to(x.dtype))
     g, u = F.linear(x, gate_up.reshape(e * two_i, h)).view(n, e, two_i).chunk(2, dim=-1)
