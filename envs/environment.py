@@ -35,6 +35,7 @@ from pathlib import Path
 from .actions import Action, ActionError, parse_action
 from .bounded import BoundsError, loads
 from .sandbox import Limits, RunResult, Sandbox
+from .tool_session import ToolSession
 from .spec import Check, TaskSpec
 from .tools.check import tag
 
@@ -205,12 +206,14 @@ class Environment:
         self.answer: str | None = None
         self.done = False
         self.log: list[Action] = []
+        self._session: ToolSession | None = None  # the built-in tools' sandboxed runner, started at the first call
 
     # ---- episode -----------------------------------------------------------------------------------
     def reset(self) -> str:
         """A fresh workspace holding the spec's files. The files are written by tools/setup.py as the sandbox's
         unprivileged user (never root), which refuses any path that is not plainly inside the workspace and never
         opens through a link."""
+        self._end_session()  # it holds the old workspace's mount
         if self._quota:  # the workspace is its own size-limited filesystem: a fresh one, not an emptied one
             self.sandbox.unmount_quota(self.workspace)
             self._quota = False
@@ -267,8 +270,7 @@ class Environment:
     def _run_tool(self, act: Action) -> tuple[str, bool]:
         sb = self.sandbox
         if act.tool in ("ls", "read", "write", "replace", "calc"):
-            req = json.dumps({"tool": act.tool, "args": act.args})
-            res = self._sandboxed([sb.python(), "-I", "-S", f"{sb.tools_dir()}/runner.py"], stdin=req)
+            res = self._builtin(act)
             if res.timed_out:
                 return f"error: {act.tool} timed out", False
             if res.returncode not in (0, 2):
@@ -282,6 +284,28 @@ class Environment:
                     " import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[1:]]))")
             argv = [sb.python(), "-I", "-c", boot, *act.args.get("argv", [])]
         return self._format(self._sandboxed(argv))
+
+    def _builtin(self, act: Action) -> RunResult:
+        """A built-in tool through the episode's tool session (one sandboxed runner kept for the episode), or a
+        one-shot sandboxed runner where the backend keeps no session."""
+        sb = self.sandbox
+        if not sb.supports_sessions:
+            return self._sandboxed([sb.python(), "-I", "-S", f"{sb.tools_dir()}/runner.py"],
+                                   stdin=json.dumps({"tool": act.tool, "args": act.args}))
+        if self._session is None:
+            self._session = ToolSession(sb, self.workspace, self.limits)
+        try:
+            res = self._session.call(act.tool, act.args)
+        except Exception as e:  # noqa: BLE001 - the session failed to run anything: not the agent's doing
+            raise SandboxFault(f"the {sb.name} sandbox's tool session failed: {type(e).__name__}: {e}") from e
+        if res.returncode == 127 and res.stderr.startswith("sandbox failed to start"):
+            raise SandboxFault(f"the {sb.name} sandbox could not run a tool: {res.stderr[:300]}")
+        return res
+
+    def _end_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
     def _sandboxed(self, argv: list[str], stdin: str | None = None) -> RunResult:
         try:
@@ -396,6 +420,7 @@ class Environment:
                                                + (f"; {'; '.join(wrong[:3])}" if wrong else ""))
 
     def close(self) -> None:
+        self._end_session()
         if self._quota:
             self.sandbox.unmount_quota(self.workspace)
             self._quota = False

@@ -32,10 +32,11 @@ import sysconfig
 import tempfile
 import threading
 import time
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .cgroup import Cgroup
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,12 @@ def _drain(pipe, cap: int, out: list, flags: dict) -> None:
         if len(chunk) > max(room, 0):
             flags["truncated"] = True
     out.append(bytes(kept))
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it was started in a session of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _refuse(argv: list[str], stdin) -> str | None:
@@ -189,72 +196,6 @@ def _libc_umount(path: Path) -> int:
     return 0 if rc == 0 else (ctypes.get_errno() or 1)
 
 
-class _Cgroup:
-    """Per-run cgroup (v1 `pids`/`memory` or v2) for limits rlimits cannot give root."""
-
-    def __init__(self, limits: Limits):
-        self.paths: list[Path] = []
-        self.cpu = False
-        name = f"temper-{uuid.uuid4().hex[:12]}"
-        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
-        period = 100_000
-        quota = max(1000, int(limits.cpu_quota * period))
-        try:
-            if Path("/sys/fs/cgroup/pids").is_dir():
-                p = Path("/sys/fs/cgroup/pids") / name
-                p.mkdir()
-                (p / "pids.max").write_text(str(limits.max_processes))
-                self.paths.append(p)
-                mem = Path("/sys/fs/cgroup/memory")
-                if mem.is_dir():
-                    m = mem / name
-                    m.mkdir()
-                    (m / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
-                    self.paths.append(m)
-                cpu = Path("/sys/fs/cgroup/cpu")
-                if (cpu / "cpu.cfs_quota_us").exists():
-                    c = cpu / name
-                    c.mkdir()
-                    (c / "cpu.cfs_period_us").write_text(str(period))
-                    (c / "cpu.cfs_quota_us").write_text(str(quota))
-                    self.paths.append(c)
-                    self.cpu = True
-            elif v2.exists() and "pids" in v2.read_text():
-                p = Path("/sys/fs/cgroup") / name
-                p.mkdir()
-                (p / "pids.max").write_text(str(limits.max_processes))
-                if "memory" in v2.read_text():
-                    (p / "memory.max").write_text(str(limits.memory_bytes))
-                if "cpu" in v2.read_text().split():
-                    (p / "cpu.max").write_text(f"{quota} {period}")
-                    self.cpu = True
-                self.paths.append(p)
-        except OSError:
-            self.close()
-            self.paths = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self.paths)
-
-    def attach_self(self) -> None:  # runs in the child before exec
-        for p in self.paths:
-            (p / "cgroup.procs").write_text(str(os.getpid()))
-
-    def close(self) -> None:
-        for p in self.paths:
-            with contextlib.suppress(OSError):
-                for pid in (p / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        os.kill(int(pid), signal.SIGKILL)
-            for _ in range(50):
-                try:
-                    p.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.01)
-
-
 class Sandbox(ABC):
     name = "base"
 
@@ -286,6 +227,8 @@ class Sandbox(ABC):
     def info(self) -> dict:
         return {"backend": self.name}
 
+    supports_sessions = True  # `spawn` gives a live process a ToolSession can keep (Docker's run() does not)
+
     def run(
         self,
         argv: list[str],
@@ -296,13 +239,55 @@ class Sandbox(ABC):
         env: dict[str, str] | None = None,
     ) -> RunResult:
         lim = limits or self.limits
-        workspace = Path(workspace)
         bad = _refuse(argv, stdin)
         if bad:
             return RunResult(126, "", bad)
-        cmd = self.wrap(argv, workspace, extra_ro or {}, lim)
-        cg = _Cgroup(lim) if self.uses_cgroup() else None
+        t0 = time.perf_counter()
+        started = self.spawn(argv, Path(workspace), lim, extra_ro, env)
+        if isinstance(started, RunResult):
+            started.seconds = time.perf_counter() - t0
+            return started
+        proc, cg = started
+        out: list[bytes] = []
+        err: list[bytes] = []
+        flags: dict = {}
+        threads = [threading.Thread(target=_drain, args=(proc.stdout, lim.output_bytes, out, flags), daemon=True),
+                   threading.Thread(target=_drain, args=(proc.stderr, lim.output_bytes, err, flags), daemon=True)]
+        for t in threads:
+            t.start()
+        if stdin is not None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=lim.wall_seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc)
+            rc = proc.wait()
+        finally:
+            if cg is not None:
+                cg.close()
+        for t in threads:
+            t.join(timeout=5)
+        return RunResult(
+            returncode=rc,
+            stdout=(out[0] if out else b"").decode("utf-8", "replace"),
+            stderr=(err[0] if err else b"").decode("utf-8", "replace"),
+            timed_out=timed_out,
+            truncated=bool(flags.get("truncated")),
+            seconds=time.perf_counter() - t0,
+        )
 
+    def spawn(self, argv: list[str], workspace: Path, lim: Limits, extra_ro: dict[str, Path] | None = None,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Cgroup | None] | RunResult:
+        """Start `argv` in this sandbox with piped stdin / stdout / stderr, in its own session (process group), its
+        limits set and, where the controllers are writable, its own cgroup (closed by the caller, which kills what
+        is left in it). A RunResult (exit 127) says why nothing started."""
+        cmd = self.wrap(argv, workspace, extra_ro or {}, lim)
+        cg = Cgroup(lim) if self.uses_cgroup() else None
         drop = self.run_as()
         per_run_pids = cg is not None and cg.active
         if drop is not None and not all(os.stat(d).st_mode & 0o001 for d in (workspace, *workspace.parents)):
@@ -329,10 +314,6 @@ class Sandbox(ABC):
 
         run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
-        t0 = time.perf_counter()
-        out: list[bytes] = []
-        err: list[bytes] = []
-        flags: dict = {}
         cmd, fds = self.hide_options(cmd)
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -340,41 +321,11 @@ class Sandbox(ABC):
         except OSError as e:
             if cg is not None:
                 cg.close()
-            return RunResult(127, "", f"sandbox failed to start: {e}", seconds=time.perf_counter() - t0)
+            return RunResult(127, "", f"sandbox failed to start: {e}")
         finally:
             for fd in fds:
                 os.close(fd)
-        threads = [threading.Thread(target=_drain, args=(proc.stdout, lim.output_bytes, out, flags), daemon=True),
-                   threading.Thread(target=_drain, args=(proc.stderr, lim.output_bytes, err, flags), daemon=True)]
-        for t in threads:
-            t.start()
-        if stdin is not None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                proc.stdin.write(stdin.encode() if isinstance(stdin, str) else stdin)
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=lim.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-        finally:
-            if cg is not None:
-                cg.close()
-        for t in threads:
-            t.join(timeout=5)
-        res = RunResult(
-            returncode=rc,
-            stdout=(out[0] if out else b"").decode("utf-8", "replace"),
-            stderr=(err[0] if err else b"").decode("utf-8", "replace"),
-            timed_out=timed_out,
-            truncated=bool(flags.get("truncated")),
-            seconds=time.perf_counter() - t0,
-        )
-        return res
+        return proc, cg
 
     def uses_cgroup(self) -> bool:
         return False
@@ -492,7 +443,7 @@ class BwrapSandbox(_MountedLayout, Sandbox):
         return not err
 
     def info(self) -> dict:
-        probe = _Cgroup(Limits()) if self._root else None
+        probe = Cgroup(Limits()) if self._root else None
         enforced = (not self._root) or bool(probe and probe.active)
         cpu = bool(probe and probe.cpu)
         if probe:

@@ -230,10 +230,12 @@ class SAOTrainer:
 
     # ---- advantages -------------------------------------------------------------------------------
     @torch.no_grad()
-    def advantages(self, trajs: list[Trajectory], rows: Rows, batch: list[Trajectory] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, trajs: list[Trajectory], rows: Rows, batch: list[Trajectory] | None = None,
+                   values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token advantages and returns of `trajs` (this rank's share of `batch`, the whole step's batch every
-        rank holds) on `rows`. GRPO normalises each group over the whole batch: a rank's share holds fragments."""
+        rank holds) on `rows`. GRPO normalises each group over the whole batch: a rank's share holds fragments.
+        `values` [R, T]: the critic's values of `rows`, where the caller has them (else one critic forward here);
+        the returns never read them (λ_critic = 1: discounted outcomes)."""
         # computed on the host (a per-trajectory scan) and handed back on the rows' device
         dev, mask = rows.ids.device, rows.mask.cpu()
         adv = torch.zeros(mask.shape, dtype=torch.float32)
@@ -246,8 +248,9 @@ class SAOTrainer:
                 if j >= 0:  # not a padding row
                     adv[i][mask[i]] = a[j]
             return adv.to(dev), ret.to(dev)
-        values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows]).float().cpu()
-                            for i in range(0, len(rows.owner), self.cfg.micro_rows)])
+        if values is None:
+            values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows]).float().cpu()
+                                for i in range(0, len(rows.owner), self.cfg.micro_rows)])
         for j, t in enumerate(trajs):
             mine = [i for i, o in enumerate(rows.owner) if o == j]
             v = torch.cat([values[i][mask[i]] for i in mine])
@@ -258,6 +261,10 @@ class SAOTrainer:
                 adv[i][mask[i]] = aa
                 ret[i][mask[i]] = gg
         return adv.to(dev), ret.to(dev)
+
+    def _returns(self, trajs: list[Trajectory], rows: Rows) -> torch.Tensor:
+        """The critic's targets on `rows` (discounted outcomes: no value is read, so none is computed)."""
+        return self.advantages(trajs, rows, values=torch.zeros(rows.ids.shape))[1]
 
     def lr_at(self, step: int) -> float:
         """Actor lr of update `step` (0-based): linear warmup over `warmup_steps`, then constant. Adam's
@@ -319,13 +326,18 @@ class SAOTrainer:
         n_rows = max(sum(1 for t in chunk[r::w] for s in t.segments if s.tokens) for r in range(w))
         return layout(mine, device=dev, shape=(n_rows, width))
 
-    def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float) -> float:
+    def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float,
+                       seen: list[torch.Tensor] | None = None) -> float:
+        """One critic update on `rows` toward the returns `ret`. `seen`: where the values its forward computed (the
+        critic before this update) are kept, on the host, one tensor per micro-batch."""
         n = n_global / self.backend.world_size  # the gradient mean over ranks turns this into the batch mean
         self.copt.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
             sl = slice(i, i + self.cfg.micro_rows)
             v = self.critic(rows.ids[sl])
+            if seen is not None:
+                seen.append(v.detach().float().cpu())
             m = rows.mask[sl]
             loss = 0.5 * (((v - ret[sl]) ** 2) * m).sum() / n
             loss.backward()
@@ -352,7 +364,7 @@ class SAOTrainer:
             chunk = trajs[i:i + size]
             mine = self._share(chunk)
             rows = self._rows(chunk)
-            batches.append((rows, self.advantages(mine, rows)[1] if rows is not None else None,
+            batches.append((rows, self._returns(mine, rows) if rows is not None else None,
                             float(layout(chunk).mask.sum().clamp_min(1))))
         n = self.cfg.value_pretrain_steps if steps is None else steps
         self.pretrained_ids = {t.trajectory_id for t in trajs[:min(n, len(batches)) * size]}  # the ones it fitted
@@ -371,12 +383,19 @@ class SAOTrainer:
         n_global = float(layout(kept).mask.sum().clamp_min(1)) if self.backend.world_size > 1 else None
         mine = self._share(kept)
         rows = self._rows(kept)
-        adv, ret = self.advantages(mine, rows, kept) if rows is not None else (None, None)
         if n_global is None:
             n_global = float(rows.mask.sum().clamp_min(1))
         if self.critic is not None and self.cfg.critic_updates:
-            vl = [self._critic_update(rows, ret, n_global) for _ in range(self.cfg.critic_updates)]
+            # the first critic update's forward is the critic before any update: its values are the advantages'
+            # (one forward fewer than scoring the batch on its own first)
+            ret = self._returns(mine, rows) if rows is not None else None
+            seen: list[torch.Tensor] = []
+            vl = [self._critic_update(rows, ret, n_global, seen if k == 0 else None)
+                  for k in range(self.cfg.critic_updates)]
             stats["value_loss"] = vl[-1]
+            adv = self.advantages(mine, rows, kept, torch.cat(seen))[0] if rows is not None else None
+        else:
+            adv, ret = self.advantages(mine, rows, kept) if rows is not None else (None, None)
         n = torch.tensor(n_global / self.backend.world_size)
         lr = self.lr_at(self.steps)
         updated = False

@@ -110,17 +110,42 @@ def t_calc(args):
 TOOLS = {"ls": t_ls, "read": t_read, "write": t_write, "replace": t_replace, "calc": t_calc}
 
 
-def main():
-    req = json.loads(sys.stdin.read())
+def answer(req):
+    """(exit code, observation) of one request: 0 the tool ran, 2 a usage error the agent should read."""
     try:
-        print(TOOLS[req["tool"]](req.get("args", {})), end="")
+        return 0, TOOLS[req["tool"]](req.get("args", {}))
     except UsageError as e:
-        print(f"error: {e}", end="")
-        sys.exit(2)
+        return 2, f"error: {e}"
     except OSError as e:
-        print(f"error: {e.strerror or e}", end="")
-        sys.exit(2)
+        return 2, f"error: {e.strerror or e}"
+
+
+def main():
+    code, text = answer(json.loads(sys.stdin.read()))
+    print(text, end="")
+    sys.exit(code)
+
+
+def serve(cap):
+    """A tool session: one request per line on stdin, one reply per line on stdout ({"rc", "out", "truncated"}; rc 1
+    with the error's last lines where the tool raised), until stdin closes. Each request is answered as `main`
+    answers it, its observation cut at `cap` bytes as the host cuts a one-shot run's output."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            rc, out = answer(json.loads(line))
+            raw = out.encode("utf-8")  # what a one-shot run's print cannot write (a lone surrogate) fails here too
+        except Exception:  # noqa: BLE001 - reported as a one-shot run's traceback would be: the tool failed
+            rc, out = 1, traceback.format_exc()[-1000:]
+            raw = out.encode("utf-8", "replace")
+        reply = {"rc": rc, "out": raw[:cap].decode("utf-8", "replace"), "truncated": len(raw) > cap}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--serve"]:
+        serve(int(sys.argv[2]))
+    else:
+        main()

@@ -93,7 +93,7 @@ def test_compaction_fires_and_rebuilds_the_context(sandbox):
 class _Broken(Sandbox):
     name = "broken"
 
-    def wrap(self, argv, workspace, extra_ro):
+    def wrap(self, argv, workspace, extra_ro, limits=None):
         raise OSError("sandbox exploded")
 
     def run(self, *a, **k):

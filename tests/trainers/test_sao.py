@@ -456,3 +456,36 @@ def test_layout_pads_to_a_given_shape_with_rows_owned_by_no_trajectory():
     assert empty.owner == [-1, -1] and not empty.mask.any()
     with pytest.raises(ValueError, match="2 rows of up to 9 tokens do not fit 1 × 12"):
         layout(mine, shape=(1, 12))
+
+
+def test_a_step_reads_advantages_from_the_critic_before_its_updates():
+    """The step's advantages come from its first critic update's forward (no separate scoring pass): they must be
+    the values of the critic as it was before any of the step's updates, the same bits a no-grad forward gives, and
+    the returns the critic fits never read a value."""
+    import copy
+
+    cfg = configs.load("micro").model
+    torch.manual_seed(0)
+    tr = SAOTrainer(Transformer(cfg), SAOConfig(critic_updates=2, micro_rows=2, alpha=3.0, gamma=0.9))
+    trajs = [_traj([(torch.randint(0, 200, (9 + 3 * i,)).tolist(), [0] * 4 + [1] * (5 + 3 * i))],
+                   reward=float(i % 2), versions=3) for i in range(5)]
+    tr.value_pretrain(trajs, steps=2)  # a critic whose values are not all zero (its head starts at zero)
+    twin = copy.deepcopy(tr)
+    rows = layout(trajs)
+    want_adv, want_ret = twin.advantages(trajs, rows)  # a separate no-grad pass over the critic before the step
+    got = {}
+    real_adv, real_update = tr.advantages, tr._critic_update
+
+    def advantages(*a, **k):
+        got.setdefault("adv", []).append(real_adv(*a, **k))
+        return got["adv"][-1]
+
+    def update(rows_, ret, n, seen=None):
+        got.setdefault("ret", []).append(ret.clone())
+        return real_update(rows_, ret, n, seen)
+
+    tr.advantages, tr._critic_update = advantages, update
+    tr.step(trajs, current_version=3)
+    assert torch.equal(got["adv"][-1][0], want_adv)  # the policy's advantages: the pre-update critic's, bit for bit
+    assert len(got["ret"]) == 2 and all(torch.equal(r, want_ret) for r in got["ret"])
+    assert not torch.equal(want_adv, twin.advantages(trajs, rows, values=torch.zeros(rows.ids.shape))[0])
