@@ -35,8 +35,8 @@ from pathlib import Path
 from .actions import Action, ActionError, parse_action
 from .bounded import BoundsError, loads
 from .sandbox import Limits, RunResult, Sandbox
-from .tool_session import ToolSession
 from .spec import Check, TaskSpec
+from .tool_session import ToolSession
 from .tools.check import tag
 
 VERIFY_ATTEMPTS = 3  # an infrastructure fault (the sandbox did not start) is retried this many times in all
