@@ -13,6 +13,9 @@ What makes the step compilable as one graph (`fullgraph=True`):
   dense and a selected variant: two compiles in all). A batch of one is padded to two with the cache's spare slot,
   whose length the step resets, as `DecodeGraphs` does, so no third variant is compiled for it.
 
+Python floats (the softmax scale, the routed scaling factor) are specialised (`specialize_float`): left symbolic,
+Inductor's scalar pass restarted the whole trace once, and a warm compile took 30 s instead of 17.
+
 The compiled code is cached on disk by Inductor (`TORCHINDUCTOR_CACHE_DIR`; the pipeline puts it under the run root),
 so a later process pays for tracing, not for C++ compilation. The seconds spent compiling are counted in
 `EngineStats.compile_seconds`. Any failure turns compilation off for this engine, with a warning and
@@ -77,7 +80,8 @@ class CompiledDecode:
         variant = bool(cfg.use_dsa and n_keys > cfg.index_topk)
         t0 = time.perf_counter()
         try:
-            logits = compiled_decode()(self.model, self.cache, ids, slots, n_new, n_keys, self.pad)
+            with torch._dynamo.config.patch(specialize_float=True):
+                logits = compiled_decode()(self.model, self.cache, ids, slots, n_new, n_keys, self.pad)
         except Exception as e:  # noqa: BLE001 - not compilable here: decode eagerly, and say so
             self.stats.compiled = f"fallback: {type(e).__name__}: {e}"[:300]
             log.warning("compiled decode off, decoding eagerly: %s: %s", type(e).__name__, e)

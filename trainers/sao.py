@@ -249,8 +249,9 @@ class SAOTrainer:
                     adv[i][mask[i]] = a[j]
             return adv.to(dev), ret.to(dev)
         if values is None:
-            values = torch.cat([self.critic(rows.ids[i : i + self.cfg.micro_rows]).float().cpu()
-                                for i in range(0, len(rows.owner), self.cfg.micro_rows)])
+            values = torch.zeros(mask.shape)
+            for idx, width in self._micro_batches(rows):
+                values[idx.cpu(), :width] = self.critic(rows.ids[idx, :width]).float().cpu()
         for j, t in enumerate(trajs):
             mine = [i for i, o in enumerate(rows.owner) if o == j]
             v = torch.cat([values[i][mask[i]] for i in mine])
@@ -327,25 +328,39 @@ class SAOTrainer:
         return layout(mine, device=dev, shape=(n_rows, width))
 
     def _critic_update(self, rows: Rows | None, ret: torch.Tensor | None, n_global: float,
-                       seen: list[torch.Tensor] | None = None) -> float:
-        """One critic update on `rows` toward the returns `ret`. `seen`: where the values its forward computed (the
-        critic before this update) are kept, on the host, one tensor per micro-batch."""
+                       seen: torch.Tensor | None = None) -> float:
+        """One critic update on `rows` toward the returns `ret`. `seen` [R, T], on the host: filled with the values
+        its forward computed (the critic before this update) at the rows' true lengths."""
         n = n_global / self.backend.world_size  # the gradient mean over ranks turns this into the batch mean
         self.copt.zero_grad(set_to_none=True)
         total = 0.0
-        for i in range(0, len(rows.owner) if rows is not None else 0, self.cfg.micro_rows):
-            sl = slice(i, i + self.cfg.micro_rows)
-            v = self.critic(rows.ids[sl])
+        for idx, width in self._micro_batches(rows):
+            v = self.critic(rows.ids[idx, :width])
             if seen is not None:
-                seen.append(v.detach().float().cpu())
-            m = rows.mask[sl]
-            loss = 0.5 * (((v - ret[sl]) ** 2) * m).sum() / n
+                seen[idx.cpu(), :width] = v.detach().float().cpu()
+            m, r = rows.mask[idx, :width], ret[idx, :width]
+            loss = 0.5 * (((v - r) ** 2) * m).sum() / n
             loss.backward()
             total += loss.item()
         self.backend.all_reduce_grads(self.critic)
         self.backend.clip_grad_norm(self.critic, self.cfg.grad_clip)
         self.copt.step()
         return total
+
+    def _micro_batches(self, rows: Rows | None) -> list[tuple[torch.Tensor, int]]:
+        """The critic's micro-batches of `rows`: (row indices, width). Rows go by length, `micro_rows` at a time, each
+        cut to its longest row (a causal model's values at a row's tokens do not read the padding after them), so a
+        batch of mixed lengths does not run every row at the longest one's. In lockstep every rank runs the same
+        shapes: the rows in order at the full width."""
+        if rows is None:
+            return []
+        k, n = self.cfg.micro_rows, len(rows.owner)
+        dev = rows.ids.device
+        if self.lockstep:
+            return [(torch.arange(i, min(i + k, n), device=dev), rows.ids.shape[1]) for i in range(0, n, k)]
+        order = sorted(range(n), key=lambda i: rows.lengths[i])
+        return [(torch.tensor(order[i:i + k], device=dev), max(rows.lengths[j] for j in order[i:i + k]))
+                for i in range(0, n, k)]
 
     def value_pretrain(self, trajs: list[Trajectory], steps: int | None = None,
                        batch_size: int | None = None) -> list[float]:
@@ -389,11 +404,11 @@ class SAOTrainer:
             # the first critic update's forward is the critic before any update: its values are the advantages'
             # (one forward fewer than scoring the batch on its own first)
             ret = self._returns(mine, rows) if rows is not None else None
-            seen: list[torch.Tensor] = []
+            seen = torch.zeros(rows.ids.shape) if rows is not None else None
             vl = [self._critic_update(rows, ret, n_global, seen if k == 0 else None)
                   for k in range(self.cfg.critic_updates)]
             stats["value_loss"] = vl[-1]
-            adv = self.advantages(mine, rows, kept, torch.cat(seen))[0] if rows is not None else None
+            adv = self.advantages(mine, rows, kept, seen)[0] if rows is not None else None
         else:
             adv, ret = self.advantages(mine, rows, kept) if rows is not None else (None, None)
         n = torch.tensor(n_global / self.backend.world_size)

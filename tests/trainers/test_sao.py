@@ -489,3 +489,30 @@ def test_a_step_reads_advantages_from_the_critic_before_its_updates():
     assert torch.equal(got["adv"][-1][0], want_adv)  # the policy's advantages: the pre-update critic's, bit for bit
     assert len(got["ret"]) == 2 and all(torch.equal(r, want_ret) for r in got["ret"])
     assert not torch.equal(want_adv, twin.advantages(trajs, rows, values=torch.zeros(rows.ids.shape))[0])
+
+
+def test_critic_micro_batches_by_length_give_every_row_its_padded_values():
+    """The critic runs rows sorted by length, each micro-batch cut to its longest row: every row's values at its
+    tokens are those of one padded forward of the whole batch (a causal model never reads the padding after a
+    token), put back in the rows' order; the update's loss is the padded batch's."""
+    cfg = configs.load("micro").model
+    torch.manual_seed(1)
+    tr = SAOTrainer(Transformer(cfg), SAOConfig(critic_updates=1, micro_rows=2))
+    lens = [23, 7, 31, 12, 9, 18, 5]
+    trajs = [_traj([(torch.randint(0, 200, (n,)).tolist(), [0] * 3 + [1] * (n - 3))], reward=float(i % 2),
+                   versions=1) for i, n in enumerate(lens)]
+    tr.value_pretrain(trajs, steps=2)
+    rows = layout(trajs)
+    batches = tr._micro_batches(rows)
+    assert sorted(i for idx, _ in batches for i in idx.tolist()) == list(range(len(lens)))
+    assert [w for _, w in batches] == [7, 12, 23, 31]  # (5, 7) (9, 12) (18, 23) (31)
+    with torch.no_grad():
+        padded = tr.critic(rows.ids)
+        got = torch.zeros(rows.ids.shape)
+        for idx, width in batches:
+            got[idx, :width] = tr.critic(rows.ids[idx, :width])
+    m = rows.mask
+    torch.testing.assert_close(got[m], padded[m], rtol=1e-5, atol=1e-6)
+    ret = tr._returns(trajs, rows)
+    want = float(0.5 * (((padded - ret) ** 2) * m).sum() / m.sum())
+    assert tr._critic_update(rows, ret, float(m.sum())) == pytest.approx(want, rel=1e-5)
