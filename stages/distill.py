@@ -43,7 +43,7 @@ def teacher_gate(cfg, warm: str, experts: dict[str, str], envs: dict, cache: Pat
 
     def episodes(ckpt: str, specs, who: str) -> list:
         ev = evaluate(load_checkpoint(ckpt), specs, tok, sb, cfg.agent, n_slots=cfg.loop.n_slots,
-                      concurrency=cfg.loop.batch_in_flight)
+                      concurrency=cfg.loop.batch_in_flight, compile_decode=cfg.loop.compile_decode)
         CrashTally(ev["trajectories"]).check(cfg.loop.max_crashed_share, f"teacher_gate ({who})")
         return ev["trajectories"]
 

@@ -58,7 +58,8 @@ def evaluation(cfg, student: str, baseline: str, envs: dict, experts: dict[str, 
             backend = ServerBackend(urls, work / "sync", router_url=router_url)
             backend.load(ckpt, next(loads))
         ev = evaluate(None if backend else load_checkpoint(ckpt), specs, tok, sb, cfg.agent, backend=backend,
-                      n_slots=cfg.loop.n_slots, concurrency=cfg.loop.batch_in_flight)
+                      n_slots=cfg.loop.n_slots, concurrency=cfg.loop.batch_in_flight,
+                      compile_decode=cfg.loop.compile_decode)
         for t in ev["trajectories"]:
             t.iteration = iteration
             rec.add(t)

@@ -35,8 +35,8 @@ CONFIG_READS: dict[str, tuple[str, ...]] = {
     "opd_student": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.batch_size", "loop.compile_decode",
                     "loop.in_flight", "loop.max_crashed_share", "loop.n_slots", "loop.save_every", "model", "opd", "seed",
                     "trainer"),
-    "evaluation": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.max_crashed_share", "loop.n_slots", "model",
-                   "seed"),
+    "evaluation": ("agent", "envs.sandbox", "loop.batch_in_flight", "loop.compile_decode", "loop.max_crashed_share",
+                   "loop.n_slots", "model", "seed"),
 }
 # result fields that say how a computation went, not what it computed: left out of a result's identity
 VOLATILE = ("seconds", "workers")

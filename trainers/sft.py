@@ -96,15 +96,17 @@ def sft_batches(trajs: list[Trajectory], batch_size: int, pad_id: int, seed: int
 
 
 def evaluate(model: Transformer | None, specs: list[TaskSpec], tok: Tokenizer, sandbox: Sandbox, cfg: AgentConfig,
-             n_slots: int = 8, concurrency: int = 8, backend=None, on_done=None) -> dict:
+             n_slots: int = 8, concurrency: int = 8, backend=None, on_done=None, compile_decode: bool = False) -> dict:
     """Greedy pass@1 per family and per domain (plus the trajectories, for inspection). The episodes run on
     `backend` (a RolloutBackend already serving the policy: servers by URL), else on an in-process engine
     over `model`. `on_done(trajectory)` is called as each episode finishes (a progress bar). Segments are not
     rescored (`AgentConfig.rescore`): no trainer reads an evaluation's log-probs, and the scoring forward was about
-    half of an evaluation's engine time (bench/iteration_profile.py)."""
+    half of an evaluation's engine time (bench/iteration_profile.py). `compile_decode`: the in-process engine's decode
+    step compiled (rollout/compiled.py; it decodes eagerly until the compile, in its own thread, is ready)."""
     own = backend is None
     if own:
-        backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8)
+        backend = InProcessBackend(model, tok, n_slots=n_slots, max_len=cfg.max_context + 8,
+                                   compile_decode=compile_decode)
 
     async def go():
         async with backend.session() as policy:
