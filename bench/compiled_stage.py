@@ -1,8 +1,8 @@
 """The compiled decode step where a stage meets it: greedy evaluation of one policy on `n` tasks of the held-out
-ladder, on an in-process engine, eager vs `compile_decode` (the step compiles in its own thread while the engine
-decodes eagerly), in one process. The first compiled run pays the compile as a stage process does (traced here, the
-generated code from Inductor's disk cache if it holds it: `--cold` points the cache at a fresh directory); the
-second finds it compiled. Same tasks, same greedy episodes (checked), seconds per side, alternated.
+ladder, on an in-process engine, eager vs `compile_decode`, in one process. The first compiled run pays the compile
+as a stage process does (traced here, the generated code from Inductor's disk cache if it holds it: `--cold` points
+the cache at a fresh directory); the second finds it compiled. Same tasks, same greedy episodes (checked), seconds
+per side, alternated.
 Run: .venv/bin/python bench/compiled_stage.py [--tasks 240] [--cold]
 """
 

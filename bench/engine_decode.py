@@ -30,8 +30,6 @@ def _engine_run(model, prompts, new: int, dense_rows: int, compile_decode: bool)
     try:
         eng = Engine(model, n_slots=b, max_len=plen + new + 8, start=False, chunk_size=plen * b,
                      compile_decode=compile_decode)
-        if eng.compiled is not None:  # (it compiles in the background: the timed runs are the compiled step's)
-            eng.compiled.wait()
         sp = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
         for _ in range(2):  # a warm-up run, then the timed one
             t = time.perf_counter()

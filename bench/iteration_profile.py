@@ -29,7 +29,7 @@ groups of columns, only the first of which adds up:
            gate's pool, SAO's rollouts-ahead thread, teacher prefetch. OVERLAPS main and engine, and sums over threads
            that ran at once (8 gate workers: up to 8 s per second).
 Categories (the hooks, `install`): engine decode (`Engine._forward` chunked=False, `Engine._speculate`), prefill
-(`_forward` chunked=True, `_score`), compile (the compiled decode step's compile thread, `loop.compile_decode`),
+(`_forward` chunked=True, `_score`), compile (a compiled decode step's first run of a variant, `loop.compile_decode`),
 sampling/emit (`_emit`), engine scheduling (the rest of `Engine.step`), weight sync (`Engine._update`, backend
 pushes); sandbox tool calls (`Environment.reset/step/close` outside verification), verification
 (`Environment.verify`, the gate's `validate` / `judge` with every sandbox run inside them, the miner); SAO policy
@@ -90,6 +90,17 @@ def _bwd_cat(stack, _a, _k) -> str:
                              (lambda c: c.startswith("opd_"), "opd_student_bwd")], "bwd_other")
 
 
+def _compile_cat(_stack, args, kwargs) -> str:
+    """A compiled decode step's first run of a variant (dense / selected) on its engine is compilation (as
+    `EngineStats.compile_seconds` counts it); every later one is decode."""
+    try:
+        self, n_keys = args[0], _arg(args, kwargs, 3, "n_keys", 0)
+        cfg = self.model.config
+        return "compile" if bool(cfg.use_dsa and n_keys > cfg.index_topk) not in self.seen else "decode"
+    except (AttributeError, IndexError, TypeError):
+        return "decode"
+
+
 def _env_cat(stack, _a, _k) -> str:
     return "verify" if "verify" in stack else "sandbox"
 
@@ -148,8 +159,7 @@ def _hook_engine(prof: Profiler) -> None:
     except ImportError:
         prof.missing.append("rollout.compiled.CompiledDecode")
     else:
-        prof.patch(CompiledDecode, "_compile", "compile")  # its own thread, beside the engine's eager decoding
-        prof.patch(CompiledDecode, "run", "decode")
+        prof.patch(CompiledDecode, "run", _compile_cat)
 
 
 def _hook_envs(prof: Profiler) -> None:

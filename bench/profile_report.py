@@ -11,7 +11,7 @@ from profile_timers import GROUPS, OUTSIDE
 CATEGORIES = {  # key: (label, where it is timed)
     "decode": ("engine decode", "Engine._forward(chunked=False), Engine._speculate"),
     "prefill": ("engine prefill", "Engine._forward(chunked=True), Engine._score"),
-    "compile": ("decode step compile", "CompiledDecode._compile: torch.compile of both variants, in a thread of its own"),
+    "compile": ("engine compile (first runs)", "CompiledDecode.run of a variant its engine has not run yet (torch.compile)"),
     "emit": ("engine sampling / emit", "Engine._emit"),
     "engine_sched": ("engine scheduling", "the rest of Engine.step (admission, retiring)"),
     "weight_sync": ("weight sync", "Engine._update; InProcessBackend/ServerBackend push and load; RLLoop.push_weights"),

@@ -21,6 +21,7 @@ one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -227,7 +228,9 @@ class Sandbox(ABC):
     def info(self) -> dict:
         return {"backend": self.name}
 
-    supports_sessions = True  # `spawn` gives a live process a ToolSession can keep (Docker's run() does not)
+    # whether an episode may keep a live runner (envs/tool_session.py) through `spawn`: a backend says so itself (one
+    # that isolates in its own `run` would otherwise be bypassed)
+    supports_sessions = False
 
     def run(
         self,
@@ -412,6 +415,18 @@ class BwrapSandbox(_MountedLayout, Sandbox):
 
     def uses_cgroup(self) -> bool:
         return self._root  # RLIMIT_NPROC is per host uid (shared by every run): use the pids controller
+
+    @functools.cached_property
+    def supports_sessions(self) -> bool:
+        """Only where each run gets its own cgroup: a session keeps its processes for the episode, and without a
+        per-run pids controller they would count against the RLIMIT_NPROC every run of the uid shares."""
+        if not self._root:
+            return False
+        probe = Cgroup(Limits())
+        try:
+            return probe.active
+        finally:
+            probe.close()
 
     def hide_options(self, cmd: list[str]) -> tuple[list[str], tuple[int, ...]]:
         """bwrap's options (host paths: the workspace, the staged tools) read from a pipe (`--args FD`) instead of

@@ -89,7 +89,6 @@ class DockerSandbox(_MountedLayout, Sandbox):
     tmpfs on the host (as root), bind-mounted at /work."""
 
     name = "docker"
-    supports_sessions = False  # a container per run: no live process to keep
 
     def wrap(self, argv, workspace, extra_ro, limits=None):
         return argv  # unused: run() talks to the engine directly

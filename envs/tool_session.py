@@ -27,7 +27,7 @@ from .sandbox import Limits, RunResult, Sandbox, kill_group
 class ToolSession:
     def __init__(self, sandbox: Sandbox, workspace: Path, limits: Limits):
         self.sandbox, self.workspace, self.limits = sandbox, workspace, limits
-        self._proc = self._cg = None
+        self._proc = self._cg = self._drain = None
         self._err = bytearray()
         self.started = 0  # sessions started (a failed request ends one; the next request starts another)
 
@@ -40,7 +40,8 @@ class ToolSession:
             return got
         self._proc, self._cg = got
         self._err = bytearray()
-        threading.Thread(target=self._drain_err, args=(self._proc.stderr, self._err), daemon=True).start()
+        self._drain = threading.Thread(target=self._drain_err, args=(self._proc.stderr, self._err), daemon=True)
+        self._drain.start()
         self.started += 1
         return None
 
@@ -81,6 +82,7 @@ class ToolSession:
         proc = self._proc
         with contextlib.suppress(Exception):
             proc.wait(timeout=5)
+        self._drain.join(timeout=5)  # (the runner is gone: its stderr ends)
         rc = proc.returncode if proc.returncode is not None else -9
         err = bytes(self._err).decode("utf-8", "replace")
         self.close()
@@ -116,7 +118,8 @@ class ToolSession:
             return
         with contextlib.suppress(OSError):
             proc.stdin.close()
-        kill_group(proc)
+        if proc.returncode is None:  # (a reaped leader's pid may name another group by now: the cgroup kills the rest)
+            kill_group(proc)
         with contextlib.suppress(Exception):
             proc.wait(timeout=5)
         if cg is not None:

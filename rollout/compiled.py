@@ -16,6 +16,11 @@ What makes the step compilable as one graph (`fullgraph=True`):
 Python floats (the softmax scale, the routed scaling factor) are specialised (`specialize_float`): left symbolic,
 Inductor's scalar pass restarted the whole trace once, and a warm compile took 30 s instead of 17.
 
+The compile runs on the engine's thread, in its first steps. A compile in a thread of its own, beside eager steps,
+was tried and taken back: while Dynamo compiles, `torch.compiler.is_compiling()` is true for every thread (the eager
+prefill and rescoring would take the compiled-only dense MoE, whose bits are not the trainer's), and Dynamo restores
+the global RNG state when it ends (unseeded sampling would draw the same noise again).
+
 The compiled code is cached on disk by Inductor (`TORCHINDUCTOR_CACHE_DIR`; the pipeline puts it under the run root),
 so a later process pays for tracing, not for C++ compilation. The seconds spent compiling are counted in
 `EngineStats.compile_seconds`. Any failure turns compilation off for this engine, with a warning and
@@ -28,8 +33,8 @@ the eager step's in the last bits (the GEMMs' blocking, the fused loops' order);
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -59,58 +64,17 @@ def compiled_decode():
 
 
 class CompiledDecode:
-    """The engine's plain decode forward through `compiled_decode()`; the cache's last slot is the spare one.
+    """The engine's plain decode forward through `compiled_decode()`; the cache's last slot is the spare one."""
 
-    The compile runs in a thread of its own (`background`, the default) on a scratch cache of the engine's geometry,
-    one call per variant, while the engine decodes eagerly: `run` answers None until both variants are compiled, so
-    no step waits for the compiler. A short stage may end before it is ready (it then decoded eagerly throughout); a
-    long one switches to the compiled step as soon as it is. `wait` blocks until the compile ended either way."""
-
-    def __init__(self, model: Transformer, cache: KVCache, stats: EngineStats, background: bool = True):
+    def __init__(self, model: Transformer, cache: KVCache, stats: EngineStats):
         self.model, self.cache, self.stats = model, cache, stats
         self.pad = cache.n_slots - 1
-        self.done = threading.Event()
-        stats.compiled = "compiling"
-        if background:
-            threading.Thread(target=self._compile, name="compile-decode", daemon=True).start()
-        else:
-            self._compile()
-
-    def variants(self) -> list[int]:
-        """A key count on each side of the indexer's top-k that this cache can hold (one where no DSA selects)."""
-        cfg = self.model.config
-        dense = [min(2, self.cache.max_len)]
-        return dense + ([cfg.index_topk + 1] if cfg.use_dsa and cfg.index_topk + 1 <= self.cache.max_len else [])
-
-    def _compile(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            c = self.cache
-            scratch = KVCache(c.cfg, c.n_slots, c.max_len, dtype=c.kv[0].dtype, device=c.kv[0].device)
-            dev = scratch.lengths.device
-            ids = torch.zeros(2, 1, dtype=torch.long, device=dev)
-            slots = torch.tensor([0, self.pad], device=dev)
-            n_new = torch.ones(2, dtype=torch.long, device=dev)
-            # the engine decodes under no_grad (a thread-local mode): compiled for it, or its calls would recompile
-            with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
-                for n_keys in self.variants():
-                    scratch.lengths.fill_(n_keys - 1)
-                    compiled_decode()(self.model, scratch, ids, slots, n_new, n_keys, self.pad)
-            self.stats.compiled = "on"
-        except Exception as e:  # noqa: BLE001 - not compilable here: the engine decodes eagerly, and says why
-            self.stats.compiled = f"fallback: {type(e).__name__}: {e}"[:300]
-            log.warning("compiled decode off, decoding eagerly: %s: %s", type(e).__name__, e)
-        finally:
-            self.stats.compile_seconds += time.perf_counter() - t0
-            self.done.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the compile ended (compiled, or fallen back); whether it did within `timeout`."""
-        return self.done.wait(timeout)
+        self.seen: set[bool] = set()  # the variants this engine has run (dense, selected): first runs are timed
+        stats.compiled = "on"
 
     def run(self, ids: torch.Tensor, slots: torch.Tensor, n_keys: int) -> torch.Tensor | None:
-        """Logits [B, 1, V] of one decode step, where no row has more than `n_keys` keys after it; None while the
-        step compiles or when compilation is off (the caller decodes eagerly)."""
+        """Logits [B, 1, V] of one decode step, where no row has more than `n_keys` keys after it; None when
+        compilation is off (the caller decodes eagerly)."""
         if self.stats.compiled != "on":
             return None
         b = ids.shape[0]
@@ -118,11 +82,19 @@ class CompiledDecode:
             ids = torch.cat([ids, ids])
             slots = torch.cat([slots, slots.new_full((1,), self.pad)])
         n_new = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+        cfg = self.model.config
+        variant = bool(cfg.use_dsa and n_keys > cfg.index_topk)
+        t0 = time.perf_counter()
+        first = variant not in self.seen  # (the config patch costs ~0.2 ms a call: only where a compile is due)
         try:
-            logits = compiled_decode()(self.model, self.cache, ids, slots, n_new, n_keys, self.pad)
+            with torch._dynamo.config.patch(specialize_float=True) if first else contextlib.nullcontext():
+                logits = compiled_decode()(self.model, self.cache, ids, slots, n_new, n_keys, self.pad)
         except Exception as e:  # noqa: BLE001 - not compilable here: decode eagerly, and say so
             self.stats.compiled = f"fallback: {type(e).__name__}: {e}"[:300]
             log.warning("compiled decode off, decoding eagerly: %s: %s", type(e).__name__, e)
             return None
+        if first:
+            self.seen.add(variant)
+            self.stats.compile_seconds += time.perf_counter() - t0
         self.stats.compiled_steps += 1
         return logits[:b]

@@ -200,29 +200,12 @@ def test_engine_forward_hook_splits_decode_from_prefill_and_counts_the_cached_po
     assert r["decode_tok_s"] == 1.5 and r["prefill_tok_s"] == 4.0 and r["engine_busy_s"] == 4.0
 
 
-def test_the_decode_steps_compile_thread_is_charged_to_compile(prof, monkeypatch):
-    """The compiled decode step compiles in a thread of its own (rollout/compiled.py): the hooks charge that thread's
-    `_compile` to `compile`, in the workers' group, beside the engine's eager decoding."""
+def test_a_compiled_decode_steps_first_run_of_a_variant_is_compile_and_later_ones_decode():
     ip = _bench("iteration_profile")
-    import configs
-    from model import KVCache
-    from rollout.compiled import CompiledDecode
-    from rollout.requests import EngineStats
-
-    c = prof.clock_
-    ip._hook_engine(prof)
-    try:
-        assert not [m for m in prof.missing if "CompiledDecode" in m]
-        monkeypatch.setattr(CompiledDecode, "variants", lambda self: setattr(c, "t", c.t + 5) or [])  # 5 s, no graph
-        step = CompiledDecode.__new__(CompiledDecode)
-        step.cache, step.stats, step.pad = KVCache(configs.load("micro").model, 3, 16), EngineStats(), 2
-        step.done = threading.Event()
-        _at(c, 0, prof.begin)
-        _at(c, 0, prof.stage_start, "sao")
-        _in_thread("compile-decode", step._compile)
-        _at(c, 10, prof.stage_end)
-        _at(c, 10, prof.end)
-    finally:
-        prof.restore()
-    s = prof.report()["stages"]["sao"]
-    assert s["workers"] == {"compile": 5.0} and step.stats.compiled == "on" and step.done.is_set()
+    cfg = types.SimpleNamespace(use_dsa=True, index_topk=64)
+    step = types.SimpleNamespace(model=types.SimpleNamespace(config=cfg), seen={False})
+    assert ip._compile_cat([], (step, "ids", "slots", 10), {}) == "decode"        # dense: run before
+    assert ip._compile_cat([], (step, "ids", "slots"), {"n_keys": 65}) == "compile"  # selected: its first run
+    step.seen.add(True)
+    assert ip._compile_cat([], (step, "ids", "slots", 65), {}) == "decode"
+    assert ip._compile_cat([], (object(),), {}) == "decode"  # a changed class: decode, never an error

@@ -105,6 +105,7 @@ def test_an_episode_reads_the_same_with_and_without_sessions(sandbox, family, mo
         for a in spec.reference[:1]:
             env.step(a)
         proc = env._session._proc if env._session is not None else None
+    assert (proc is not None) == sandbox.supports_sessions  # (as root with per-run cgroups: CI's and make test's)
     assert proc is None or proc.poll() is not None  # closed with the environment
     monkeypatch.setattr(sandbox, "supports_sessions", False)
     one_shot = run_script(spec, sandbox, spec.reference)
@@ -122,3 +123,23 @@ def test_closing_kills_the_runner_and_removes_nothing_else(sandbox, tmp_path):
     assert (ws / "kept.txt").read_text() == "k"
     s.close()  # twice is harmless
     shutil.rmtree(ws)
+
+
+def test_sessions_only_where_each_run_has_its_own_cgroup(sandbox):
+    """A session keeps its processes for the episode: only with a per-run pids controller, never against the
+    RLIMIT_NPROC every run of the sandbox's uid shares; and a backend that isolates in its own `run` keeps none
+    unless it says so."""
+    from envs.cgroup import Cgroup
+    from envs.sandbox import Sandbox
+
+    probe = Cgroup(Limits())
+    try:
+        assert sandbox.supports_sessions == (os.geteuid() == 0 and probe.active)
+    finally:
+        probe.close()
+
+    class OwnRun(Sandbox):
+        def wrap(self, argv, workspace, extra_ro, limits=None):
+            return argv
+
+    assert OwnRun().supports_sessions is False
