@@ -143,3 +143,20 @@ def test_sessions_only_where_each_run_has_its_own_cgroup(sandbox):
             return argv
 
     assert OwnRun().supports_sessions is False
+
+
+def test_a_session_that_cannot_start_is_the_hosts_fault_not_the_agents(sandbox, monkeypatch):
+    """A runner the sandbox could not start is an infrastructure fault (`SandboxFault`: the episode is crashed), never
+    an observation charged to the agent; a usage error the runner answers is the agent's (an observation)."""
+    from envs.environment import SandboxFault
+    from envs.sandbox import RunResult
+
+    spec = FAMILIES["kv-lookup"].make(1)
+    with Environment(spec, sandbox) as env:
+        env.reset()
+        monkeypatch.setattr(sandbox, "supports_sessions", True)
+        assert "outside the workspace" in env.step("<tool_call>read ../../etc/hostname</tool_call>").observation
+        env._end_session()
+        monkeypatch.setattr(type(sandbox), "spawn", lambda *a, **k: RunResult(127, "", "sandbox failed to start: x"))
+        with pytest.raises(SandboxFault):
+            env.step("<tool_call>ls</tool_call>")
