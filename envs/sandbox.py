@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cgroup import Cgroup
+from .launch import exec_shim, preexec
 
 log = logging.getLogger(__name__)
 
@@ -299,28 +300,22 @@ class Sandbox(ABC):
             return RunResult(127, "", f"sandbox failed to start: the workspace {workspace} is not reachable for "
                                       f"the sandbox user (uid {drop}): a directory on its path is not searchable")
 
-        def pre():
-            os.setsid()
-            rl = [(resource.RLIMIT_CPU, lim.cpu_seconds), (resource.RLIMIT_AS, lim.memory_bytes),
-                  (resource.RLIMIT_FSIZE, lim.file_size_bytes), (resource.RLIMIT_CORE, 0)]
-            if not (per_run_pids and drop is not None):  # with a shared sandbox uid, RLIMIT_NPROC would count
-                rl.append((resource.RLIMIT_NPROC, lim.max_processes))  # every run's processes: the cgroup does it
-            for res, val in rl:
-                with contextlib.suppress(ValueError, OSError):
-                    resource.setrlimit(res, (val, val))  # hard limits: an unprivileged process cannot raise them
-            if cg is not None and cg.active:
-                cg.attach_self()
-            if drop is not None:  # last: the cgroup and limits above need root
-                os.setgroups([])
-                os.setgid(drop)
-                os.setuid(drop)
-
+        rl = [(resource.RLIMIT_CPU, lim.cpu_seconds), (resource.RLIMIT_AS, lim.memory_bytes),
+              (resource.RLIMIT_FSIZE, lim.file_size_bytes), (resource.RLIMIT_CORE, 0)]
+        if not (per_run_pids and drop is not None):  # with a shared sandbox uid, RLIMIT_NPROC would count
+            rl.append((resource.RLIMIT_NPROC, lim.max_processes))  # every run's processes: the cgroup does it
         run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
         cmd, fds = self.hide_options(cmd)
+        shim = exec_shim(rl, cg, drop)
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=pre, env=run_env, cwd=self.host_cwd(workspace), pass_fds=fds)
+            if shim is not None:  # vfork + exec: no copy of this (large) process's page tables per run
+                proc = subprocess.Popen(shim + cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True, env=run_env, cwd=self.host_cwd(workspace), pass_fds=fds)
+            else:
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        preexec_fn=functools.partial(preexec, rl, cg, drop), env=run_env,
+                                        cwd=self.host_cwd(workspace), pass_fds=fds)
         except OSError as e:
             if cg is not None:
                 cg.close()
