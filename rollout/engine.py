@@ -48,7 +48,7 @@ from model.tokenizer import ByteTokenizer, Tokenizer
 
 from .compiled import CompiledDecode
 from .graphs import SYNC_WARNING, DecodeGraphs, syncs_in  # noqa: F401 - re-exported (split out of this module)
-from .requests import EngineStats, GenRequest, is_scoring
+from .requests import EngineStats, GenRequest, is_scoring, prefill_plan
 from .sampling import sample
 from .speculative import SpeculativeDecoding
 
@@ -456,19 +456,11 @@ class Engine(SpeculativeDecoding):
     def _forward(self, reqs: list[GenRequest], chunked: bool) -> list[tuple[GenRequest, torch.Tensor]]:
         """One ragged forward; returns the requests whose context is now all cached, with their next-token logits
         (sampled by `_emit`, all of a step's at once)."""
-        budget = self.chunk_size
-        rows, n_new = [], []
-        for r in reqs:
-            ctx = r.context()
-            n = len(ctx) - r.cached
-            if chunked:
-                n = min(n, max(1, budget))
-                budget -= n
-            rows.append(ctx[r.cached : r.cached + n])
-            n_new.append(n)
-            if chunked and budget <= 0:
-                break
-        reqs = reqs[: len(rows)]
+        if chunked:
+            reqs, n_new = prefill_plan(reqs, [len(r.context()) - r.cached for r in reqs], self.chunk_size)
+        else:
+            n_new = [len(r.context()) - r.cached for r in reqs]
+        rows = [r.context()[r.cached : r.cached + n] for r, n in zip(reqs, n_new)]
         width = max(n_new)
         ids = self._t([row + [0] * (width - len(row)) for row in rows])
         slots = self._t([r.slot for r in reqs])
