@@ -50,13 +50,25 @@ def sparse_mla_reference(q, kv, idx, qpos, scale: float, dv: int, slots: torch.T
     b = q.shape[0]
     rows = slots if slots is not None else torch.arange(b, device=q.device)
     valid = _valid(idx, qpos)
-    g = kv[rows[:, None, None], idx.clamp_min(0)]  # [B,T,K,D]
-    g = torch.where(valid[..., None], g, 0.0)  # unusable rows read as 0, as in the kernel: a NaN in one stays out
+    if kv.is_contiguous():  # one index_select over the flattened pool: ~3x the advanced-indexing gather on a CPU
+        n, s1, d = kv.shape
+        flat = (rows[:, None, None] * s1 + idx.clamp_min(0)).reshape(-1)
+        g = kv.reshape(n * s1, d).index_select(0, flat).view(*idx.shape, d)  # [B,T,K,D]
+    else:
+        g = kv[rows[:, None, None], idx.clamp_min(0)]
+    # every picked row usable (read eagerly on a CPU only: on a GPU a host sync, in a compiled graph a break): the masks
+    # below then change nothing
+    every = q.device.type == "cpu" and not torch.compiler.is_compiling() and bool(valid.all())
+    if not every:
+        g = torch.where(valid[..., None], g, 0.0)  # unusable rows read as 0, as in the kernel: a NaN in one stays out
     s = torch.einsum("bthd,btkd->bthk", q, g).float() * scale
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    if not every:
+        s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     # a query with no usable key (all -inf → NaN) gets 0, as in the kernel; a NaN score (a NaN query head, a NaN row
     # of the cache) stays NaN, as in the kernel: never turned into zeros
-    p = torch.softmax(s, -1).masked_fill(~valid.any(-1)[:, :, None, None], 0.0)
+    p = torch.softmax(s, -1)
+    if not every:
+        p = p.masked_fill(~valid.any(-1)[:, :, None, None], 0.0)
     return torch.einsum("bthk,btkv->bthv", p.to(q.dtype), g[..., :dv])
 
 

@@ -171,6 +171,31 @@ def test_sparse_mla_reference_matches_a_slow_twin():
     assert got[1, 1].abs().max() == 0
 
 
+def test_sparse_mla_reference_with_every_pick_usable_matches_the_slow_twin_forward_and_backward():
+    """The CPU's fast path (every selected key usable: no masks; a contiguous pool gathered by index_select) against
+    the float64 loops, values and gradients; a strided pool (advanced indexing) gives the same bits."""
+    g = torch.Generator().manual_seed(3)
+    b, t, h, dv, dr, s, kk = 2, 4, 3, 16, 16, 30, 8
+    q = torch.randn(b, t, h, dv + dr, generator=g, requires_grad=True)
+    kv = torch.randn(3, s, dv + dr, generator=g, requires_grad=True)
+    qpos = torch.tensor([[20, 21, 22, 23], [9, 10, 11, 29]])
+    idx = torch.stack([torch.randperm(int(p) + 1, generator=g)[:kk].sort().values for p in qpos.flatten()]).view(b, t, kk)
+    slots = torch.tensor([1, 2])
+    got = kmla.sparse_mla_reference(q, kv, idx, qpos, 0.3, dv, slots)
+    qd, kvd = q.detach().double().requires_grad_(), kv.detach().double().requires_grad_()
+    want = _slow_sparse_mla(qd, kvd, idx, qpos, 0.3, dv, slots)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    w = torch.randn(got.shape, generator=g)
+    (got * w).sum().backward()
+    (want * w.double()).sum().backward()
+    assert torch.allclose(q.grad.double(), qd.grad, atol=1e-5) and torch.allclose(kv.grad.double(), kvd.grad, atol=1e-5)
+    wide = torch.zeros(3, s, 2 * (dv + dr))
+    wide[..., : dv + dr] = kv.detach()
+    strided = wide[..., : dv + dr]
+    assert not strided.is_contiguous()
+    assert torch.equal(kmla.sparse_mla_reference(q.detach(), strided, idx, qpos, 0.3, dv, slots), got.detach())
+
+
 @pytest.mark.parametrize("blocks", [None, (32, 16, 8)])  # the default tiles, and a sweep point of bench/gpu.py
 def test_sparse_mla_kernel_forward_and_backward_match_the_twin(triton_mode, blocks, monkeypatch):
     monkeypatch.setattr(kmla, "BLOCKS", blocks)
