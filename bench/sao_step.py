@@ -5,7 +5,9 @@
 
 Rollout: `batch` seeded episodes of the ladder's rungs (AgentConfig.seed: the same weights sample the same tokens)
 on one in-process engine, rescored as SAO's rollouts are. Before: a sandboxed tool runner started per built-in tool
-call; now: one tool session per episode (envs/tool_session.py). The two sides' trajectories are checked equal.
+call, each sandbox run forked from this process, prefill budgeted in real tokens, the sparse-MLA twin masking every
+call (bench/eval_levers.py's "before"); now: one tool session per episode (envs/tool_session.py), sandbox runs by
+vfork through the exec shim, the prefill plan, the sparse gather. The two sides' trajectories are checked equal.
 Update: `SAOTrainer.step` on that batch, each side from the same copy of the trainer (value pre-trained on the
 batch first). Before: the critic scored the batch in a pass of its own, then ran its updates over consecutive rows
 padded to the batch's longest; now: the advantages read the first update's forward, and the critic's micro-batches
@@ -24,6 +26,7 @@ import time
 
 import torch
 from common import table
+from eval_levers import OLD, levers
 
 import configs
 from envs import make_sandbox
@@ -86,7 +89,8 @@ def main() -> None:
     batch = None
     for _ in range(a.repeat):
         for before in (True, False):
-            dt, trajs = rollout(model, specs, tok, sb, agent_cfg, sessions=not before)
+            with levers(() if before else tuple(OLD)):
+                dt, trajs = rollout(model, specs, tok, sb, agent_cfg, sessions=not before)
             if batch is None:
                 batch = trajs
                 trainer.value_pretrain(batch, steps=2)

@@ -5,17 +5,23 @@ read-back and Parquet export speeds for trainers.
 Rates count the whole durable cost: the commits (DuckDB writes each batch to its WAL) plus `close()`,
 which checkpoints what is left in the WAL into the compressed database file. The `:memory:` row is the
 insert alone (no WAL, no checkpoint, no compression to disk), for comparison.
-Run: .venv/bin/python bench/store_ingest.py [--trajectories 2000 --tokens 2000 --batch 200 --sample 20]
+`--layouts` adds what the per-token columns would cost in other layouts, durably, the same tokens in 10 transactions:
+list columns (the store's), one BLOB per column, one row per token, and Parquet files written with pyarrow.
+Run: .venv/bin/python bench/store_ingest.py [--trajectories 2000 --tokens 2000 --batch 200 --sample 20] [--layouts]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
 
+import duckdb
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from common import table
 
 from rollout.types import Segment, Trajectory
@@ -71,6 +77,63 @@ def executemany_insert(path: Path, trajs: list[Trajectory]) -> None:
     store.close()
 
 
+def layouts(tmp: Path, n_seg: int = 4000, seg_len: int = 1000, parts: int = 10) -> list[list]:
+    """Durable ingest of the same per-token columns in four layouts: seconds and M tokens/s (commits + close)."""
+    rng = np.random.default_rng(0)
+    n = n_seg * seg_len
+    mask = rng.random(n) < 0.4
+    cols = {"tokens": rng.integers(0, 150_000, n).astype(np.int32), "mask": mask,
+            "lp": np.where(mask, -rng.exponential(1.0, n), 0.0).astype(np.float32),
+            "ver": np.where(mask, 7, -1).astype(np.int32)}
+    offs = np.arange(n_seg + 1, dtype=np.int64) * seg_len
+    tid = pa.array([f"t{i}" for i in range(n_seg)])
+
+    def blob(v: np.ndarray) -> pa.Array:
+        v = v.view(np.uint8) if v.dtype == np.bool_ else v
+        return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n_seg,
+                                                [None, pa.py_buffer(offs * v.itemsize), pa.py_buffer(v.tobytes())])
+
+    lists = pa.table({"tid": tid, **{k: pa.LargeListArray.from_arrays(pa.array(offs), pa.array(v))
+                                     for k, v in cols.items()}})
+    tables = {
+        "list columns (the store's)": (lists, "tid VARCHAR, tokens INTEGER[], mask BOOLEAN[], lp FLOAT[], ver INTEGER[]"),
+        "one BLOB per column": (pa.table({"tid": tid, **{k: blob(v) for k, v in cols.items()}}),
+                                "tid VARCHAR, tokens BLOB, mask BLOB, lp BLOB, ver BLOB"),
+        "one row per token": (pa.table({"tid": np.repeat(np.arange(n_seg, dtype=np.int32), seg_len), **cols}),
+                              "tid INTEGER, tokens INTEGER, mask BOOLEAN, lp FLOAT, ver INTEGER"),
+    }
+    rows = []
+    for name, (tbl, ddl) in tables.items():
+        path = tmp / f"layout-{len(rows)}.db"
+        con = duckdb.connect(str(path))
+        con.execute(f"CREATE TABLE s ({ddl})")
+        step = tbl.num_rows // parts
+        t = time.perf_counter()
+        for i in range(parts):
+            con.register("b", tbl.slice(i * step, step))
+            con.begin()
+            con.execute("INSERT INTO s SELECT * FROM b")
+            con.commit()
+            con.unregister("b")
+        con.close()
+        sec = time.perf_counter() - t
+        rows.append([name, sec, f"{n / sec / 1e6:.2f}", f"{path.stat().st_size / 1e6:.0f}"])
+    for comp in ("none", "zstd"):
+        out = tmp / f"parquet-{comp}"
+        out.mkdir()
+        step = n_seg // parts
+        t = time.perf_counter()
+        for i in range(parts):
+            f = out / f"part-{i}.parquet"
+            pq.write_table(lists.slice(i * step, step), f, compression=comp)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        sec = time.perf_counter() - t
+        rows.append([f"Parquet, pyarrow, {comp}", sec, f"{n / sec / 1e6:.2f}",
+                     f"{sum(p.stat().st_size for p in out.iterdir()) / 1e6:.0f}"])
+    return rows
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -84,6 +147,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[200, 2000], help="trajectories per transaction")
     ap.add_argument("--sample", type=int, default=20, help="trajectories for the executemany baseline")
     ap.add_argument("--dir", default=None, help="where the databases go (default: a temporary folder)")
+    ap.add_argument("--layouts", action="store_true", help="also time the per-token columns in other layouts")
     args = ap.parse_args()
 
     trajs = make_trajectories(args.trajectories, args.tokens)
@@ -155,6 +219,9 @@ def main() -> None:
             ["operation", "seconds", "M tokens/s"],
             [[name, sec, f"{n_tok / sec / 1e6:.2f}"] for name, sec in rows],
         )
+        if args.layouts:
+            table("per-token columns, 4M tokens in 10 transactions, durable (commits + close)",
+                  ["layout", "seconds", "M tokens/s", "MB"], layouts(tmp))
 
 
 if __name__ == "__main__":
