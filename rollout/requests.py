@@ -88,9 +88,12 @@ def prefill_plan(reqs: list, remaining: list[int], budget: int, overhead: int = 
     width W the forward takes W tokens of the rows with at least W left (a chunk, no padding) and then the longest
     shorter rows, while rows × W ≤ `budget`; of the widths the candidates offer (their `remaining` tokens, at most
     `budget`), the one with the most real tokens per position computed (`overhead` positions added per forward)
-    wins, ties to the wider. The first request (the oldest) always goes, so none waits forever.
+    wins, ties to the wider. The first request (the oldest) always goes, so none waits forever. When every row fits
+    whole at the widest row's width, the forward takes them all: a split would leave a remnant for another forward.
     """
     caps = [min(n, budget) for n in remaining]
+    if len(caps) * max(caps) <= budget and caps == remaining:  # all of it in one forward: none left for another
+        return list(reqs), caps
     order = sorted(range(len(caps)), key=lambda i: -caps[i])  # stable: equal lengths keep their age order
     best: tuple[float, int, list[int]] | None = None
     for w in sorted(set(caps), reverse=True):

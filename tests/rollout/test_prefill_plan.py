@@ -15,6 +15,14 @@ def test_rows_of_like_length_go_together_and_the_oldest_always_goes():
     assert prefill_plan(["a"], [1000], 256) == (["a"], [256])
 
 
+def test_what_fits_whole_goes_in_one_forward():
+    # five prompts of 6-26 tokens pad to 130 positions: all of them, though width 21 would waste less (the 26-token
+    # row's last 5 would then need a forward of their own)
+    assert prefill_plan(list("abcde"), [6, 11, 16, 21, 26], 256) == (list("abcde"), [6, 11, 16, 21, 26])
+    # past the budget the rule does not apply: 3 rows of 120 cannot go whole
+    assert prefill_plan(list("abc"), [120, 120, 120], 256) == (["a", "b"], [120, 120])
+
+
 def test_many_short_turns_beat_one_wide_row_and_long_rows_are_chunked_to_their_width():
     # 40 prompts of 120 behind a 6-token turn, 49 more turns: at width 6 a forward takes 42 rows (252 real tokens of
     # 252 positions); at width 120 only two rows (one of them the padded turn: 126 real of 240)
