@@ -34,7 +34,7 @@ def replaying() -> bool:
     side effects (the MoE's load counts, the indexer statistics a forward collects) skips them, so the replay
     recomputes the saved tensors and changes nothing else. A compiled region (the engine's compiled decode step, no
     autograd) is never a replay, and dynamo cannot trace a ContextVar read."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return False
     return _replaying.get()
 

@@ -50,7 +50,7 @@ class _Recipe:
 def recomputed(t: torch.Tensor, fn: Callable[[], torch.Tensor]) -> Iterator[None]:
     """See the module docstring. Nothing changes where no graph is built (nor in a compiled region: the engine's
     compiled decode step builds none, and dynamo cannot trace the ContextVar read)."""
-    if torch.compiler.is_compiling() or _OFF.get() or not (torch.is_grad_enabled() and t.requires_grad):
+    if torch.compiler.is_dynamo_compiling() or _OFF.get() or not (torch.is_grad_enabled() and t.requires_grad):
         yield
         return
     outer = _outer_hooks()

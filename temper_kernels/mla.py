@@ -58,7 +58,7 @@ def sparse_mla_reference(q, kv, idx, qpos, scale: float, dv: int, slots: torch.T
         g = kv[rows[:, None, None], idx.clamp_min(0)]
     # every picked row usable (read eagerly on a CPU only: on a GPU a host sync, in a compiled graph a break): the masks
     # below then change nothing
-    every = q.device.type == "cpu" and not torch.compiler.is_compiling() and bool(valid.all())
+    every = q.device.type == "cpu" and not torch.compiler.is_dynamo_compiling() and bool(valid.all())
     if not every:
         g = torch.where(valid[..., None], g, 0.0)  # unusable rows read as 0, as in the kernel: a NaN in one stays out
     s = torch.einsum("bthd,btkd->bthk", q, g).float() * scale

@@ -138,7 +138,7 @@ def moe_experts_reference(x, idx, w, gate_up, down) -> torch.Tensor:
     if idx.numel() == 0:
         return _no_rows(x, w)
     n, k = idx.shape
-    if torch.compiler.is_compiling() or n <= DENSE_ROWS:
+    if torch.compiler.is_dynamo_compiling() or n <= DENSE_ROWS:
         return moe_experts_dense(x, idx, w, gate_up, down)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
