@@ -52,6 +52,10 @@ class SandboxUnavailable(RuntimeError):
     pass
 
 
+class SandboxStartError(RuntimeError):
+    """The sandbox could not set a run up as its limits require (a host fault: the run did not start)."""
+
+
 @dataclass
 class Limits:
     cpu_seconds: int = 10
@@ -198,6 +202,21 @@ def _libc_umount(path: Path) -> int:
     return 0 if rc == 0 else (ctypes.get_errno() or 1)
 
 
+def _joined(proc: subprocess.Popen, cg: Cgroup, report: tuple[int, int]) -> None:
+    """Wait for the shim's cgroup join (its shell closes the report pipe before it execs the run, or writes the cgroup
+    it could not join): a run outside its cgroup does not go on, and the failure is the host's (an exception, as a
+    forked `preexec` raising), never an exit code the agent's own code could also give."""
+    os.close(report[1])
+    try:
+        failed = os.read(report[0], 4096)
+    finally:
+        os.close(report[0])
+    if failed:
+        proc.wait()
+        cg.close()
+        raise SandboxStartError(f"sandbox failed to start: could not join the run's cgroup {failed.decode().strip()}")
+
+
 class Sandbox(ABC):
     name = "base"
 
@@ -307,11 +326,16 @@ class Sandbox(ABC):
         run_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})}
         cmd, fds = self.hide_options(cmd)
-        shim = exec_shim(rl, cg, drop)
+        joins = cg is not None and cg.active
+        report = os.pipe() if joins else (-1, -1)
+        shim = exec_shim(rl, cg, drop, report[1])
         try:
             if shim is not None:  # vfork + exec: no copy of this (large) process's page tables per run
                 proc = subprocess.Popen(shim + cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True, env=run_env, cwd=self.host_cwd(workspace), pass_fds=fds)
+                                        start_new_session=True, env=run_env, cwd=self.host_cwd(workspace),
+                                        pass_fds=fds + (report[1],) if joins else fds)
+                if joins:
+                    _joined(proc, cg, report)
             else:
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         preexec_fn=functools.partial(preexec, rl, cg, drop), env=run_env,
@@ -321,7 +345,7 @@ class Sandbox(ABC):
                 cg.close()
             return RunResult(127, "", f"sandbox failed to start: {e}")
         finally:
-            for fd in fds:
+            for fd in fds + (report if joins and shim is None else ()):
                 os.close(fd)
         return proc, cg
 

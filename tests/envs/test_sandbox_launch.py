@@ -47,6 +47,9 @@ def test_the_run_leads_its_own_session_in_its_own_cgroup(sandbox, tmp_path, star
             for p in cg.paths:
                 assert str(proc.pid) in (p / "cgroup.procs").read_text().split()
             assert (cg.paths[0] / "pids.max").read_text().strip() == "40"
+        deadline = time.monotonic() + 10
+        while b"bwrap" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the shim's tools exec one after the other; bwrap is the last
         status = Path(f"/proc/{proc.pid}/status").read_text()
         uid = status.split("Uid:")[1].split("\n")[0].split()
         if os.geteuid() == 0:  # real, effective, saved and filesystem uid all dropped: nothing to setuid(0) back to
@@ -74,3 +77,24 @@ def test_the_shim_starts_the_run_without_forking_this_process(sandbox, tmp_path,
     (cmd, kw), = seen
     assert kw.get("preexec_fn") is None and kw["start_new_session"] is True
     assert os.path.basename(cmd[0]) == "prlimit" and "--cpu=7:7" in cmd and any("bwrap" in c for c in cmd)
+
+
+def test_a_run_that_cannot_join_its_cgroup_never_starts_and_is_the_hosts_fault(sandbox, tmp_path, monkeypatch):
+    """The shim reports a failed join on a pipe the agent's code never holds: an exception (a host fault), not an exit
+    code the agent's code could also give. The run does not go on outside its cgroup."""
+    from envs.cgroup import Cgroup
+
+    if not sandbox.uses_cgroup():
+        pytest.skip("no per-run cgroups here (not root)")
+    real = Cgroup.__init__
+
+    def broken(self, lim):
+        real(self, lim)
+        self.paths.append(tmp_path / "no-such-cgroup")
+
+    monkeypatch.setattr(Cgroup, "__init__", broken)
+    marker = tmp_path / "ran"
+    tmp_path.chmod(0o777)
+    with pytest.raises(sbmod.SandboxStartError, match="could not join"):
+        sandbox.run(["sh", "-c", "touch ran"], tmp_path, limits=LIM)
+    assert not marker.exists()
